@@ -1,0 +1,48 @@
+"""Command line: `python -m infercourse doctor env | bench ... | report DIR... | course`."""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: infercourse COMMAND [ARGS]
+
+commands:
+  doctor env        the environment report: hardware, versions, usable engines
+  bench ...         run a load pattern against an engine, save a results folder
+  report DIR...     compare saved runs side by side
+  course [--out D]  execute every notebook headless, write executed copies + HTML to D
+  formats           derive the embedded model's formats (HF, F16, quant ladder, MLX)
+
+`infercourse COMMAND --help` documents each command's options."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "doctor":
+        if rest not in ([], ["env"]):
+            print("usage: infercourse doctor env", file=sys.stderr)
+            return 2
+        from .doctor import print_report
+        print_report()
+        return 0
+    if cmd == "bench":
+        from .cli import bench_main
+        return bench_main(rest)
+    if cmd == "report":
+        from .cli import report_main
+        return report_main(rest)
+    if cmd == "course":
+        from .course import course_main
+        return course_main(rest)
+    if cmd == "formats":
+        from .formats import main as formats_main
+        return formats_main(rest) or 0
+    print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""`infercourse bench ...` and `infercourse report DIR...`: the measurement core from a shell.
+
+`bench` runs one load pattern (or a concurrency sweep) against an engine, writes a results
+folder and prints a summary with its warnings; `report` puts finished runs side by side
+with the conditions that differ between them. Both are thin: every number comes from
+`bench`, `metrics` and `results`, exactly as in the notebooks.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["bench_main", "report_main"]
+
+WORKLOADS = ("fixed", "shared-prefix", "shared-prefix-timestamp", "shared-prefix-reordered", "agentic")
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"concurrencies must be integers >= 1, got {text!r}")
+    return values
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infercourse bench", description=(
+        "Run a load pattern against an engine, record every request (latency measured from "
+        "its scheduled send time) into a results folder, and print a summary."))
+    g = p.add_argument_group("engine")
+    g.add_argument("--engine", choices=["llamacpp", "http"], default="llamacpp",
+                   help="llamacpp: in process, one request at a time; http: any OpenAI-compatible server")
+    g.add_argument("--url", help="server root for --engine http, e.g. http://127.0.0.1:8080")
+    g.add_argument("--model", help="llamacpp: a .gguf path (default: the embedded SmolLM2-135M); "
+                                   "http: the served model name (default: the server's only model)")
+    g.add_argument("--api", choices=["chat", "completions"], default="chat", help="HTTP API (default chat)")
+    g.add_argument("--threads", type=_positive(int), help="llamacpp CPU threads (default: physical cores)")
+    g.add_argument("--n-ctx", type=_positive(int), default=8192, help="llamacpp context window (default 8192)")
+    g.add_argument("--allow-remote", action="store_true", help="permit a server that is not on loopback")
+    g = p.add_argument_group("load")
+    g.add_argument("--pattern", choices=["sequential", "concurrency", "rate", "poisson", "sweep", "replay"],
+                   default="sequential", help="closed loop (sequential, concurrency, sweep) or open loop "
+                                              "(rate, poisson, replay of the agentic trace's timing)")
+    g.add_argument("--concurrency", type=_positive(int), default=1, help="workers for --pattern concurrency")
+    g.add_argument("--concurrency-list", type=_int_list, default=[1, 2, 4, 8],
+                   help="levels for --pattern sweep, comma-separated (default 1,2,4,8)")
+    g.add_argument("--rate", type=_positive(float), help="requests/s for --pattern rate and poisson")
+    g.add_argument("--seed", type=int, default=0, help="seed for the Poisson schedule, prompts, sampling")
+    g.add_argument("--requests", type=_positive(int), help="requests to send (per level for sweep; "
+                                                           "default: the workload's size)")
+    g.add_argument("--duration", type=_positive(float), help="stop sending after this many seconds")
+    g.add_argument("--warmup", type=int, default=1, help="warm-up requests, excluded (default 1)")
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOADS, default="fixed",
+                   help="fixed: prompts of exactly --prompt-tokens tokens; shared-prefix[-variant]: "
+                        "one long system prompt, many tasks; agentic: the recorded coding session")
+    g.add_argument("--prompt-tokens", type=_positive(int), default=64,
+                   help="prompt length for --workload fixed, counted by the model's tokenizer (default 64)")
+    g.add_argument("--max-tokens", type=_positive(int), default=32,
+                   help="output tokens per request (default 32; agentic uses the recorded lengths)")
+    g.add_argument("--ignore-eos", action="store_true", help="force exactly --max-tokens output tokens")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", type=Path, help="results folder (default: under the infercourse cache)")
+    g.add_argument("--label", help="name of this run in reports")
+    g.add_argument("--roofline", action="store_true",
+                   help="probe this machine (~5 s) and print the decode ceiling and bandwidth utilisation")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.engine == "http" and not a.url:
+        p.error("--engine http needs --url, e.g. --url http://127.0.0.1:8080")
+    if a.engine != "http" and a.url:
+        p.error("--url only applies to --engine http")
+    if a.pattern in ("rate", "poisson") and not a.rate:
+        p.error(f"--pattern {a.pattern} needs --rate REQUESTS_PER_S")
+    if a.pattern == "replay" and a.workload != "agentic":
+        p.error("--pattern replay replays the timing of --workload agentic")
+    if a.pattern == "sweep" and a.engine != "http":
+        p.error("--pattern sweep needs a server (--engine http): an in-process engine runs one request at a time")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+
+
+def _tokenizer(engine):
+    if hasattr(engine, "tokenize"):
+        return engine.tokenize
+    import llama_cpp  # a served model: count with the embedded model's tokenizer (vocab only)
+
+    from .models import embedded_gguf
+    vocab = llama_cpp.Llama(model_path=str(embedded_gguf()), vocab_only=True, verbose=False)
+    return lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+
+def _workload(a: argparse.Namespace, engine):
+    from . import workloads as wl
+    from .engines.base import Request
+    if a.workload == "agentic":
+        return wl.agentic_workload()
+    if a.workload.startswith("shared-prefix"):
+        variant = {"shared-prefix": "shared", "shared-prefix-timestamp": "timestamp",
+                   "shared-prefix-reordered": "reordered_tools"}[a.workload]
+        return wl.shared_prefix_workload(min(a.requests or 16, 64), variant=variant,
+                                         max_tokens=a.max_tokens, seed=a.seed)
+    tok, n = _tokenizer(engine), min(a.requests or 8, 64)   # distinct prompts: no cache reuse
+    reqs = tuple(Request(prompt=wl.exact_length_prompt(a.prompt_tokens, tok, seed=a.seed + i),
+                         max_tokens=a.max_tokens, seed=a.seed) for i in range(n))
+    return wl.Workload(f"fixed-{a.prompt_tokens}tok", reqs)
+
+
+def _print_summary(r) -> None:
+    from . import metrics
+    out = sys.stdout  # looked up at call time: notebooks and tests swap it
+    cols = [c for c in ("count", "p50", "p95", "p99", "max") if c in r.summary]
+    print(r.summary[cols].to_string(float_format=lambda v: f"{v:.4g}"), file=out)
+    t = metrics.throughput(r.df)
+    print(f"\n{t['completed']}/{t['requests']} ok, {t['requests_per_s']:.3g} req/s, "
+          f"{t['output_tok_per_s']:.4g} output tok/s over {t['wall_s']:.3g} s", file=out)
+    for w in r.warnings:
+        print(f"WARNING: {w}", file=out)
+    print(f"results: {r.dir}", file=out)
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """`infercourse bench`: returns the exit code (0 ok, 1 run failed, 2 bad usage)."""
+    p = bench_parser()
+    a = p.parse_args(argv)
+    _check(p, a)
+    from . import bench
+    from .errors import InferCourseError
+    try:
+        if a.engine == "http":
+            from .engines.openai_http import OpenAIHTTPEngine
+            engine = OpenAIHTTPEngine(a.url, model=a.model, api=a.api)
+        else:
+            from .engines.llamacpp import LlamaCppEngine
+            engine = LlamaCppEngine(a.model, n_ctx=a.n_ctx, n_threads=a.threads, seed=a.seed)
+        work = _workload(a, engine)
+        kw = dict(seed=a.seed, warmup=a.warmup, max_duration_s=a.duration, out_dir=a.out, label=a.label,
+                  ignore_eos=True if a.ignore_eos else None, progress=not a.no_progress,
+                  allow_remote=a.allow_remote)
+        if a.pattern == "sweep":
+            table, _ = bench.sweep(engine, work, a.concurrency_list, requests_per_level=a.requests, **kw)
+            print(table.to_string(float_format=lambda v: f"{v:.4g}"))
+            return 0
+        r = bench.run(engine, work, pattern=a.pattern, concurrency=a.concurrency, rate_rps=a.rate,
+                      max_requests=a.requests, **kw)
+        _print_summary(r)
+        if a.roofline and a.engine == "llamacpp":
+            _print_roofline(engine, r)
+        return 0
+    except InferCourseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _print_roofline(engine, r) -> None:
+    from . import roofline
+    from .modelcard import model_card
+    card, machine = model_card(engine.model.path), roofline.probe()
+    ctx = float(r.df["prompt_tokens"].median())
+    ceiling = roofline.decode_ceiling_tok_per_s(machine["bandwidth_gbs"], card, int(ctx))
+    dec = float(r.df["decode_tok_per_s"].median())
+    print(f"roofline: {machine['bandwidth_gbs']:.3g} GB/s read -> decode ceiling {ceiling:.4g} tok/s at "
+          f"context {ctx:.0f}; measured p50 {dec:.4g} tok/s = {dec / ceiling:.1%} bandwidth utilisation")
+
+
+def report_main(argv: list[str] | None = None) -> int:
+    """`infercourse report DIR...`: a comparison table and the conditions that differ."""
+    p = argparse.ArgumentParser(prog="infercourse report", description=(
+        "Compare finished runs: throughput, error rate and p50/p90/p99 latencies side by side, "
+        "then every recorded condition that differs between them."))
+    p.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="results folders written by bench")
+    p.add_argument("--metric", action="append", help="metrics to compare (repeatable; default ttft_s, "
+                                                     "tpot_s, e2e_s, decode_tok_per_s)")
+    p.add_argument("--plot", type=Path, help="save a latency CDF of all runs to this image file")
+    p.add_argument("--plot-metric", default="ttft_s", help="metric of the --plot CDF (default ttft_s)")
+    a = p.parse_args(argv)
+    missing = [str(d) for d in a.dirs if not (d / "manifest.json").is_file()]
+    if missing:
+        p.error(f"not a results folder (no manifest.json): {', '.join(missing)}")
+    import pandas as pd
+
+    from . import results
+    runs = [results.load_run(d) for d in a.dirs]
+    metric_names = a.metric or ("ttft_s", "tpot_s", "e2e_s", "decode_tok_per_s")
+    table = results.compare(runs, metric_names)
+    keep = [c for c in table.columns if not c.endswith(("_lo", "_hi"))]
+    with pd.option_context("display.width", 200, "display.max_columns", 50):
+        print(table[keep].T.to_string(float_format=lambda v: f"{v:.4g}"))
+        diff = results.differing_conditions(runs)
+        print("\nconditions that differ:" if len(diff) else "\nno recorded condition differs")
+        if len(diff):
+            print(diff.to_string())
+    for run in runs:
+        for w in run.manifest.get("warnings", []):
+            print(f"WARNING [{run.label}]: {w}")
+    if a.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        from . import plots
+        df = pd.concat([r.df.assign(run=r.label) for r in runs], ignore_index=True)
+        plots.latency_cdf(df, a.plot_metric, by="run").figure.savefig(a.plot, dpi=120, bbox_inches="tight")
+        print(f"plot: {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(bench_main())

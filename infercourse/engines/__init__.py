@@ -1,0 +1,42 @@
+"""Every engine the course teaches, behind one streaming interface (see `base`).
+
+| name           | layer it exercises                      | where it runs              |
+|----------------|-----------------------------------------|----------------------------|
+| `llamacpp`     | runtime: llama.cpp in process           | CPU, Metal, CUDA           |
+| `transformers` | runtime: transformers on torch          | CPU, CUDA, MPS             |
+| `mlx`          | runtime: MLX-LM                         | Metal (Mac), CPU (Linux)   |
+| `http`         | API + server: any OpenAI-compatible one | llama-server, vLLM, SGLang, TGI, oMLX, mlx_lm.server, Ollama /v1 |
+| `ollama`       | API + server: Ollama's native API       | Ollama                     |
+
+Backends import lazily: `ENGINES` maps a name to "module:Class" so that importing this
+package never imports torch or MLX.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .base import Completion, Engine, Event, Request, Usage, as_request, fold, generate
+
+__all__ = ["ENGINES", "engine_class", "make_engine", "Completion", "Engine", "Event",
+           "Request", "Usage", "as_request", "fold", "generate"]
+
+ENGINES = {
+    "llamacpp": "infercourse.engines.llamacpp:LlamaCppEngine",
+    "transformers": "infercourse.engines.transformers_engine:TransformersEngine",
+    "mlx": "infercourse.engines.mlx_engine:MLXEngine",
+    "http": "infercourse.engines.openai_http:OpenAIHTTPEngine",
+    "ollama": "infercourse.engines.ollama:OllamaEngine",
+}
+
+
+def engine_class(name: str) -> type:
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; choose one of {sorted(ENGINES)}")
+    module, cls = ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_engine(name: str, **kwargs: Any) -> Engine:
+    """`make_engine("llamacpp", n_threads=1)` == `LlamaCppEngine(n_threads=1)`."""
+    return engine_class(name)(**kwargs)

@@ -1,0 +1,161 @@
+"""Ollama through its native API, where the server times itself.
+
+Ollama (a Go server around llama.cpp) streams newline-delimited JSON from `/api/chat` and
+`/api/generate`. Its last object (`"done": true`) carries the server's own clock, in
+nanoseconds (docs/api.md in ollama/ollama):
+
+    total_duration        the whole request, model load included
+    load_duration         loading the model (0 when it was already in memory)
+    prompt_eval_count     prompt tokens evaluated (cached prefix tokens are not counted)
+    prompt_eval_duration  prefill time
+    eval_count            tokens generated
+    eval_duration         decode time -> decode tok/s = eval_count / eval_duration * 1e9
+
+We pass those on verbatim in the final Event's `timings`, so a lesson can set the server's
+view beside the client's (TTFT measured here includes HTTP and queueing; theirs does not).
+Each streamed object holds one token's text, so chunks count 1 token each.
+
+Two limits to know: Ollama has no `ignore_eos` (a forced length is impossible: we warn
+and record it), and a prompt longer than `num_ctx` is truncated silently, not refused.
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any, Iterator
+
+import httpx
+
+from ..errors import APILayerError, ModelLayerError
+from .base import Event, Messages, Request, Usage, as_request
+
+__all__ = ["OllamaEngine", "OLLAMA_TIMING_FIELDS"]
+
+OLLAMA_TIMING_FIELDS = ("total_duration", "load_duration", "prompt_eval_count",
+                        "prompt_eval_duration", "eval_count", "eval_duration")
+DEFAULT_HOST = "http://127.0.0.1:11434"
+
+
+class OllamaEngine:
+    """One model on an Ollama server, via the official `ollama` Python client.
+
+    Args:
+        model: an Ollama model name, e.g. "smollm2:135m".
+        host: server URL; None reads $OLLAMA_HOST, else http://127.0.0.1:11434.
+        api: "chat" (`/api/chat`, the model's template applied) or "generate"
+            (`/api/generate` with `raw: true`, the prompt sent as is).
+        num_ctx: context window Ollama allocates (None: the model's default).
+        keep_alive: how long the model stays loaded after a request (e.g. "5m", 0).
+        **client_kwargs: passed to `ollama.Client` and on to `httpx.Client`.
+    """
+
+    name = "ollama"
+
+    def __init__(self, model: str, host: str | None = None, api: str = "chat",
+                 num_ctx: int | None = None, keep_alive: str | int | None = None,
+                 **client_kwargs: Any):
+        import ollama  # lazy: the client is only needed when Ollama is used
+
+        if api not in ("chat", "generate"):
+            raise ValueError(f"api must be 'chat' or 'generate', got {api!r}")
+        self.model, self.api, self.num_ctx, self.keep_alive = model, api, num_ctx, keep_alive
+        host = host or os.environ.get("OLLAMA_HOST") or DEFAULT_HOST
+        self.host = host if "://" in host else f"http://{host}"
+        url = httpx.URL(self.host)
+        self.where = f"{url.host}:{url.port or 11434}"
+        self._ollama = ollama
+        self.client = ollama.Client(host=self.host, **client_kwargs)
+
+    def options(self, request: Request) -> dict[str, Any]:
+        """The `options` object sent with every request (Modelfile parameter names)."""
+        opts = {"num_predict": request.max_tokens, "temperature": request.temperature,
+                "seed": request.seed}
+        if self.num_ctx:
+            opts["num_ctx"] = self.num_ctx
+        return opts
+
+    def _call(self, req: Request) -> Iterator[Any]:
+        common = {"model": self.model, "stream": True, "options": self.options(req),
+                  "keep_alive": self.keep_alive}
+        if self.api == "chat":
+            messages = req.messages if req.messages is not None else [
+                {"role": "user", "content": req.prompt}]
+            return self.client.chat(messages=messages, **common)
+        if req.prompt is None:
+            raise APILayerError("api='generate' takes a raw prompt, got chat messages",
+                                hint="use api='chat', or Request(prompt=...)")
+        return self.client.generate(prompt=req.prompt, raw=True, **common)
+
+    def _error(self, exc: Exception, events: list[Event]) -> Exception:
+        ollama = self._ollama
+        if isinstance(exc, ollama.ResponseError):
+            if exc.status_code == 404 or "not found" in str(exc.error).lower():
+                return ModelLayerError(f"Ollama at {self.where} does not have model {self.model!r}: "
+                                       f"{exc.error}", hint=f"run `ollama pull {self.model}`",
+                                       partial=events)
+            return APILayerError(f"Ollama at {self.where} answered HTTP {exc.status_code}: {exc.error}",
+                                 partial=events)
+        if isinstance(exc, (ConnectionError, httpx.ConnectError)):
+            return APILayerError(f"server at {self.where} not reachable",
+                                 hint="start it with `ollama serve`, or set OLLAMA_HOST")
+        if isinstance(exc, ValueError):  # a malformed NDJSON line
+            return APILayerError(f"malformed stream from Ollama at {self.where}: {exc}", partial=events)
+        return APILayerError(f"stream from Ollama at {self.where} was cut mid-way "
+                             f"({type(exc).__name__}: {exc})", partial=events)
+
+    def stream(self, request: Request | str | Messages, **overrides: Any) -> Iterator[Event]:
+        """Yield one Event per streamed object, then the done Event with Ollama's timings."""
+        req = as_request(request, **overrides)
+        if req.ignore_eos:
+            warnings.warn("Ollama has no ignore_eos: generation may stop before max_tokens",
+                          stacklevel=2)
+        events: list[Event] = []
+        last = None
+        try:
+            for part in self._call(req):
+                t = time.perf_counter()
+                if self.api == "chat":
+                    msg = part.message
+                    text = (msg.content or "") if msg else ""
+                    thinking = (getattr(msg, "thinking", None) or "") if msg else ""
+                else:
+                    text, thinking = part.response or "", getattr(part, "thinking", None) or ""
+                if text or thinking:  # one token per object; thinking tokens carry no text
+                    events.append(Event(t=t, text=text, n_tokens=1))
+                    yield events[-1]
+                if part.done:
+                    last = part
+                    break
+        except (self._ollama.ResponseError, ConnectionError, httpx.HTTPError,
+                ValueError) as exc:  # ValueError: bad JSON line, or a shape pydantic rejects
+            raise self._error(exc, events) from exc
+        if last is None:
+            raise APILayerError(f"stream from Ollama at {self.where} ended without a done object",
+                                partial=events, hint="the server may have crashed; see its log")
+        timings: dict[str, Any] = {k: getattr(last, k, None) for k in OLLAMA_TIMING_FIELDS}
+        timings.update(done_reason=last.done_reason, response_model=last.model,
+                       created_at=last.created_at, chunk_tokens_from="deltas",
+                       ignore_eos="unsupported" if req.ignore_eos else None)
+        usage = Usage(prompt_tokens=last.prompt_eval_count or 0,  # omitted when all cached
+                      completion_tokens=last.eval_count if last.eval_count is not None
+                      else sum(e.n_tokens for e in events),
+                      cached_tokens=None, source="server" if last.eval_count is not None else "client")
+        yield Event(t=time.perf_counter(), done=True, usage=usage,
+                    finish_reason=last.done_reason, timings=timings)
+
+    def describe(self) -> dict[str, Any]:
+        """Host, model, and what the server says about both (version, format, quantization)."""
+        info: dict[str, Any] = {"engine": self.name, "host": self.host, "model": self.model,
+                                "api": self.api, "num_ctx": self.num_ctx}
+        try:
+            # the client has no version() call; its httpx client knows the host
+            info["server_version"] = self.client._client.get("/api/version").json().get("version")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            info["server_version"] = None
+        try:
+            details = self.client.show(self.model).details
+            info["model_details"] = details.model_dump() if details else None
+        except (self._ollama.ResponseError, ConnectionError, httpx.HTTPError, ValueError):
+            info["model_details"] = None
+        return info

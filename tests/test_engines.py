@@ -1,0 +1,142 @@
+"""The engine contract, checked for real on every in-process engine that runs here.
+
+Each property is one a learner relies on when comparing engines: greedy output is
+reproducible, timestamps only move forward, the tokens counted across chunks equal the
+usage the engine reports, `generate()` is exactly the joined stream, and forced length
+really forces the length.
+"""
+import pytest
+
+from infercourse import Request, generate
+from infercourse.engines import engine_class, make_engine
+from infercourse.errors import (BackendMissingError, ContextLayerError, InferCourseError,
+                                ModelLayerError)
+
+from .conftest import CHAT
+
+ENGINES = ["llamacpp_engine", "transformers_engine", "mlx_engine"]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_greedy_is_deterministic(engine):
+    a = generate(engine, Request(messages=CHAT, max_tokens=24, cache_prompt=False))
+    b = generate(engine, Request(messages=CHAT, max_tokens=24, cache_prompt=False))
+    assert a.text and a.text == b.text
+
+
+def test_stream_contract(engine):
+    events = list(engine.stream(Request(messages=CHAT, max_tokens=24)))
+    ts = [e.t for e in events]
+    assert ts == sorted(ts), "arrival times must be monotonic"
+    assert events[-1].done and not any(e.done for e in events[:-1])
+    usage = events[-1].usage
+    assert sum(e.n_tokens for e in events) == usage.completion_tokens > 0
+    assert usage.prompt_tokens > len(CHAT[0]["content"].split())  # template adds tokens
+    assert events[-1].finish_reason in ("stop", "length")
+
+
+def test_generate_is_the_joined_stream(engine):
+    req = Request(messages=CHAT, max_tokens=20, cache_prompt=False)
+    streamed = "".join(e.text for e in engine.stream(req))
+    assert generate(engine, req).text == streamed
+
+
+@pytest.mark.parametrize("n", [1, 40])
+def test_forced_length(engine, n):
+    c = generate(engine, Request(messages=[{"role": "user", "content": "Say hi."}],
+                                 max_tokens=n, ignore_eos=True))
+    assert c.usage.completion_tokens == n == c.n_tokens
+    assert c.finish_reason == "length"
+
+
+def test_without_forcing_a_short_answer_stops_early(llamacpp_engine):
+    # The counterpart of forced length: the model's own EOS ends a short answer.
+    c = generate(llamacpp_engine, Request(messages=[{"role": "user", "content": "Reply with the single word: yes"}],
+                                          max_tokens=100))
+    assert c.finish_reason == "stop" and c.usage.completion_tokens < 100
+
+
+def test_llamacpp_prefix_cache_reuse(llamacpp_engine):
+    system = {"role": "system", "content": "You are a careful assistant. " * 20}
+    r1 = Request(messages=[system, {"role": "user", "content": "One."}], max_tokens=4, cache_prompt=False)
+    r2 = Request(messages=[system, {"role": "user", "content": "Two."}], max_tokens=4)
+    cold = generate(llamacpp_engine, r1)
+    warm = generate(llamacpp_engine, r2)
+    assert cold.usage.cached_tokens == 0
+    # everything up to the user turn is shared; the engine's own counter agrees
+    assert warm.usage.cached_tokens >= cold.usage.prompt_tokens - 8
+    assert warm.timings["prompt_n"] == warm.usage.prompt_tokens - warm.usage.cached_tokens
+    off = generate(llamacpp_engine, r2, cache_prompt=False)
+    assert off.usage.cached_tokens == 0 and off.text == warm.text
+
+
+def test_llamacpp_state_save_restore(llamacpp_engine):
+    req = Request(messages=CHAT, max_tokens=8)
+    generate(llamacpp_engine, req)
+    state = llamacpp_engine.save_state()
+    llamacpp_engine.reset()
+    llamacpp_engine.load_state(state)
+    again = generate(llamacpp_engine, req)
+    assert again.usage.cached_tokens >= again.usage.prompt_tokens - 1
+
+
+def test_transformers_kv_cache_switch_keeps_the_answer(transformers_engine):
+    from infercourse.engines.transformers_engine import TransformersEngine
+    on = generate(transformers_engine, Request(messages=CHAT, max_tokens=12))
+    off_engine = TransformersEngine.__new__(TransformersEngine)
+    off_engine.__dict__.update(transformers_engine.__dict__, use_cache=False)
+    off = generate(off_engine, Request(messages=CHAT, max_tokens=12))
+    assert off.text == on.text
+
+
+def test_context_overflow_names_the_context_layer(llamacpp_engine):
+    long = "word " * 3000
+    with pytest.raises(ContextLayerError, match="context window"):
+        generate(llamacpp_engine, long, max_tokens=8)
+
+
+def test_bad_model_inputs_name_the_model_layer(tmp_path):
+    from infercourse.engines.llamacpp import LlamaCppEngine
+    with pytest.raises(ModelLayerError, match="not found"):
+        LlamaCppEngine(tmp_path / "missing.gguf")
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ModelLayerError, match="not a GGUF"):
+        LlamaCppEngine(fake)
+    truncated = tmp_path / "trunc.gguf"
+    from infercourse.models import embedded_gguf
+    truncated.write_bytes(embedded_gguf().read_bytes()[:1_000_000])
+    with pytest.raises(ModelLayerError, match="corrupt"):
+        LlamaCppEngine(truncated)
+
+
+def test_unknown_engine_and_missing_backend(monkeypatch):
+    with pytest.raises(ValueError, match="unknown engine"):
+        make_engine("tensorrt")
+    import sys
+    monkeypatch.setitem(sys.modules, "mlx_lm", None)  # as if MLX-LM were not installed
+    with pytest.raises(BackendMissingError) as info:
+        engine_class("mlx")()
+    assert "runtime layer" in str(info.value)
+    assert isinstance(info.value, InferCourseError)
+
+
+def test_missing_gpu_fails_clearly():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from infercourse.engines.transformers_engine import TransformersEngine
+    with pytest.raises(BackendMissingError, match="CUDA"):
+        TransformersEngine(device="cuda")
+
+
+def test_request_validation():
+    with pytest.raises(ValueError):
+        Request(prompt="a", messages=CHAT)
+    with pytest.raises(ValueError):
+        Request(prompt="a", max_tokens=0)

@@ -1,0 +1,197 @@
+"""Metric definitions checked against hand-computed answers on synthetic traces."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from infercourse import metrics as M
+from infercourse.engines.base import Event, Usage
+from infercourse.trace import RequestTrace, trace_from_events
+
+
+def multi_chunk():
+    # scheduled 10.0, sent 10.5 (0.5 s late); chunks of 1, 2, 3 tokens; end 11.7
+    return RequestTrace(request_id=1, scheduled_t=10.0, sent_t=10.5,
+                        chunk_t=[11.0, 11.2, 11.6], chunk_tokens=[1, 2, 3], end_t=11.7,
+                        prompt_tokens=100, completion_tokens=6, cached_tokens=20,
+                        token_source="server", tags={"prompt_len": 100})
+
+
+def empty_first():
+    # a chunk with text but 0 tokens (e.g. a role header) arrives first
+    return RequestTrace(request_id=2, scheduled_t=0.0, sent_t=0.0,
+                        chunk_t=[1.0, 1.5, 2.0], chunk_tokens=[0, 1, 1], end_t=2.0)
+
+
+def errored():
+    return RequestTrace(request_id=3, scheduled_t=0.0, sent_t=0.1, chunk_t=[0.3, 0.4],
+                        chunk_tokens=[1, 1], end_t=0.9, status="error", error="ReadTimeout: x")
+
+
+def zero_output():
+    return RequestTrace(request_id=4, scheduled_t=0.0, sent_t=0.0, end_t=0.2,
+                        prompt_tokens=5, completion_tokens=0)
+
+
+def test_multi_token_chunks_scheduled_vs_sent():
+    tr = multi_chunk()
+    assert M.ttft_s(tr) == pytest.approx(1.0)
+    assert M.ttft_from_send_s(tr) == pytest.approx(0.5)
+    assert M.dispatch_delay_s(tr) == pytest.approx(0.5)
+    assert M.e2e_s(tr) == pytest.approx(1.7)
+    assert M.e2e_from_send_s(tr) == pytest.approx(1.2)
+    assert M.tpot_s(tr) == pytest.approx(0.7 / 5)
+    assert M.itl_s(tr) == pytest.approx([0.2, 0.4])
+    assert M.tokens_per_chunk(tr) == pytest.approx(2.0)
+    assert M.prefill_tok_per_s(tr) == pytest.approx(80 / 0.5)      # uncached only
+    assert M.decode_tok_per_s(tr) == pytest.approx(5 / 0.6)         # 6 - first chunk's 1
+
+
+def test_empty_first_chunk_is_not_the_first_token():
+    tr = empty_first()
+    assert M.output_tokens(tr) == 2                                  # no usage: chunk sum
+    assert M.ttft_s(tr) == pytest.approx(1.5)
+    assert M.itl_s(tr) == pytest.approx([0.5])
+    assert M.tpot_s(tr) == pytest.approx(0.5)
+    assert M.decode_tok_per_s(tr) == pytest.approx(2.0)
+
+
+def test_trace_from_events_drops_keepalives_then_metrics():
+    ev = [Event(t=0.5), Event(t=1.0, text="Hi", n_tokens=1), Event(t=1.25, text=" there", n_tokens=2),
+          Event(t=1.3, done=True, usage=Usage(7, 3, 0, "server"), timings={"predicted_n": 3})]
+    tr = trace_from_events(ev, request_id=0, scheduled_t=0.0, sent_t=0.2)
+    assert M.ttft_s(tr) == pytest.approx(1.0) and M.ttft_from_send_s(tr) == pytest.approx(0.8)
+    assert M.tpot_s(tr) == pytest.approx(0.3 / 2)
+    assert M.decode_tok_per_s(tr) == pytest.approx(2 / 0.25)
+
+
+def test_error_and_zero_output():
+    e = errored()
+    assert M.ttft_s(e) == pytest.approx(0.3)        # a token did arrive before the error
+    assert M.e2e_s(e) == pytest.approx(0.9)
+    z = zero_output()
+    assert M.ttft_s(z) is None and M.tpot_s(z) is None and M.decode_tok_per_s(z) is None
+    assert M.itl_s(z) == [] and M.tokens_per_chunk(z) is None
+    assert M.e2e_s(z) == pytest.approx(0.2)
+    one = RequestTrace(request_id=5, scheduled_t=0, sent_t=0, chunk_t=[0.1], chunk_tokens=[1],
+                       end_t=0.1, completion_tokens=1)
+    assert M.tpot_s(one) is None and M.decode_tok_per_s(one) is None
+
+
+def test_per_request_frame_and_itl_frame():
+    trs = [multi_chunk(), empty_first(), errored(), zero_output()]
+    df = M.per_request_frame(trs)
+    assert len(df) == 4 and list(df["request_id"]) == [1, 2, 3, 4]
+    assert df.loc[0, "prompt_len"] == 100                           # tag became a column
+    assert df.loc[0, "cached_fraction"] == pytest.approx(0.2)
+    assert math.isnan(df.loc[3, "ttft_s"]) and df.loc[3, "output_tokens"] == 0
+    assert df.loc[0, "itl_max_s"] == pytest.approx(0.4)
+    itl = M.itl_frame(trs)
+    assert len(itl) == 2 + 1 + 1                                   # gaps per request
+    assert itl[itl.request_id == 1]["tokens"].tolist() == [2, 3]
+    pooled = M.summarize(itl, ["itl_s"]).loc["itl_s"]          # errored request's gap dropped
+    assert pooled["count"] == 3 and pooled["max"] == pytest.approx(0.5)
+    assert M.error_rate(df) == pytest.approx(0.25)
+    assert list(df.columns[:len(M.FRAME_COLUMNS)]) == M.FRAME_COLUMNS
+
+
+def test_empty_run_has_columns_and_no_crash():
+    df = M.per_request_frame([])
+    assert list(df.columns) == M.FRAME_COLUMNS and len(df) == 0
+    assert M.throughput(df)["completed"] == 0 and math.isnan(M.error_rate(df))
+    assert M.goodput(df, {"ttft_s": 1.0})["n_good"] == 0
+
+
+def test_throughput_over_wall_window():
+    df = M.per_request_frame([multi_chunk(), empty_first(), errored()])
+    tp = M.throughput(df)
+    assert tp["wall_s"] == pytest.approx(11.7 - 0.0)               # first scheduled -> last end
+    assert tp["completed"] == 2
+    assert tp["output_tok_per_s"] == pytest.approx((6 + 2) / 11.7)  # errored tokens don't count
+    assert tp["requests_per_s"] == pytest.approx(2 / 11.7)
+
+
+def test_summarize_bootstrap_contains_truth_and_is_seeded():
+    rng = np.random.default_rng(1)
+    x = rng.exponential(1.0, 4000)
+    df = pd.DataFrame({"status": "ok", "ttft_s": x})
+    s = M.summarize(df, ["ttft_s"], seed=7)
+    row = s.loc["ttft_s"]
+    for p, true in [(50, math.log(2)), (90, math.log(10)), (99, math.log(100))]:
+        assert row[f"p{p}_lo"] <= true <= row[f"p{p}_hi"], p
+        assert row[f"p{p}_lo"] < row[f"p{p}"] < row[f"p{p}_hi"]
+    assert row["count"] == 4000 and row["min"] == x.min() and row["max"] == x.max()
+    pd.testing.assert_frame_equal(s, M.summarize(df, ["ttft_s"], seed=7))
+    assert M.summarize(df, ["ttft_s"], seed=8).loc["ttft_s", "p99_lo"] != row["p99_lo"]
+
+
+def test_bootstrap_on_long_series():
+    # a long ITL-like series is resampled in batches (bounded memory) and still brackets
+    # the true median tightly
+    x = np.random.default_rng(3).exponential(1.0, 50_000)
+    s = M.summarize(pd.DataFrame({"status": "ok", "itl_s": x}), ["itl_s"], n_boot=200)
+    assert s.loc["itl_s", "p50_lo"] <= math.log(2) <= s.loc["itl_s", "p50_hi"]
+    assert s.loc["itl_s", "p50_hi"] - s.loc["itl_s", "p50_lo"] < 0.05
+
+
+def test_summarize_drops_errors():
+    df = M.per_request_frame([multi_chunk(), errored()])
+    assert M.summarize(df, ["ttft_s"]).loc["ttft_s", "count"] == 1
+    assert M.summarize(df, ["ttft_s"], ok_only=False).loc["ttft_s", "count"] == 2
+
+
+def test_goodput_all_slos_must_hold():
+    df = M.per_request_frame([multi_chunk(), empty_first(), errored(), zero_output()])
+    # ttft: 1.0, 1.5, (error), None(zero output fails ttft); tpot: 0.14, 0.5
+    g = M.goodput(df, {"ttft_s": 1.2, "tpot_s": 0.2})
+    assert g["n_good"] == 1 and g["good_fraction"] == pytest.approx(0.25)
+    assert M.goodput(df, {"ttft_s": 2.0})["n_good"] == 2
+    assert M.goodput(df, {"ttft_s": 2.0, "tpot_s": 0.2})["n_good"] == 1
+    assert M.goodput(df, {"decode_tok_per_s": 5})["n_good"] == 1    # lower bound: 8.3 vs 2
+
+
+def test_goodput_validation():
+    df = M.per_request_frame([multi_chunk()])
+    with pytest.raises(ValueError, match="unknown SLO metric 'ttft'"):
+        M.goodput(df, {"ttft": 0.5})
+    for bad in (0, -1, float("nan"), float("inf"), "0.5"):
+        with pytest.raises(ValueError, match="positive finite"):
+            M.goodput(df, {"ttft_s": bad})
+    with pytest.warns(UserWarning, match="no request met SLO ttft_s"):
+        g = M.goodput(df, {"ttft_s": 1e-9})
+    assert g["n_good"] == 0 and g["goodput_requests_per_s"] == 0
+
+
+def consistent_llamaserver():
+    tr = multi_chunk()   # ttft from send 0.5 s, decode 0.6 s, 6 tokens, 80 uncached
+    tr.engine_timings = {"prompt_n": 80, "prompt_ms": 470.0, "predicted_n": 6,
+                         "predicted_ms": 580.0, "cache_n": 20}
+    return tr
+
+
+def test_reconcile_passes_consistent_and_flags_disagreement():
+    rec = M.reconcile(consistent_llamaserver())
+    assert set(rec["quantity"]) == {"prefill_tokens", "decode_tokens", "prefill_s", "decode_s"}
+    assert rec["ok"].all()
+    bad = consistent_llamaserver()
+    bad.engine_timings["predicted_n"] = 9            # engine says 9 tokens, client saw 6
+    bad.engine_timings["prompt_ms"] = 100.0          # engine prefill far below client TTFT
+    rec = M.reconcile(bad).set_index("quantity")
+    assert not rec.loc["decode_tokens", "ok"] and not rec.loc["prefill_s", "ok"]
+    assert rec.loc["decode_s", "ok"] and rec.loc["prefill_tokens", "ok"]
+
+
+def test_engine_view_units():
+    v = M.engine_view({"prompt_eval_duration": 2_000_000_000, "eval_count": 5, "t_eval_ms": 40,
+                       "unrelated": 1})
+    assert v == {"prefill_s": 2.0, "decode_tokens": 5.0, "decode_s": 0.04}
+
+
+def test_check_identity():
+    tr = multi_chunk()               # last chunk 11.6, end 11.7: a 0.1 s tail
+    out = M.check_identity(tr, atol_s=0.0, rtol=0.01)
+    assert out["residual_s"] == pytest.approx(0.1) and out["ok"] is False
+    tr.end_t = 11.6
+    assert M.check_identity(tr)["ok"] is True
+    assert M.check_identity(zero_output())["ok"] is None

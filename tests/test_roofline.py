@@ -1,0 +1,51 @@
+"""Roofline arithmetic against hand computation, and the machine probe's sanity."""
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from infercourse import roofline as rl
+
+# SmolLM2-135M-like shape: 30 layers, 3 KV heads of 64 dims.
+CARD = {"n_layers": 30, "n_kv_heads": 3, "head_dim": 64, "weight_bytes": 100_000_000, "n_params": 135_000_000}
+
+
+def test_kv_bytes_per_token_by_hand():
+    assert rl.kv_bytes_per_token(30, 3, 64, 2) == 2 * 30 * 3 * 64 * 2 == 23_040
+    assert rl.kv_bytes_per_token(32, 8, 128, 1) == 65_536
+
+
+def test_bytes_per_token_and_decode_ceiling_by_hand():
+    assert rl.bytes_per_decoded_token(CARD, 0) == 100_000_000
+    assert rl.bytes_per_decoded_token(CARD, 1000) == 100_000_000 + 23_040_000
+    # 10 GB/s over 123.04 MB per token
+    assert rl.decode_ceiling_tok_per_s(10.0, CARD, 1000) == pytest.approx(10e9 / 123_040_000)
+    assert rl.decode_ceiling_tok_per_s(10.0, CARD, 0) == pytest.approx(100.0)
+
+
+def test_prefill_ceiling_and_mbu_by_hand():
+    assert rl.prefill_ceiling_tok_per_s(100.0, CARD) == pytest.approx(100e9 / 270e6)
+    assert rl.mbu(40.0, 10.0, CARD) == pytest.approx(0.4)
+
+
+def test_modelcard_object_equals_dict():
+    card = SimpleNamespace(n_layers=30, n_kv_heads=3, head_dim=64, n_params=135_000_000,
+                           weight_bytes=lambda: 100_000_000)
+    assert rl.bytes_per_decoded_token(card, 512) == rl.bytes_per_decoded_token(CARD, 512)
+    c = rl.ceilings(card, {"bandwidth_gbs": 10.0, "matmul_gflops_f32": 100.0}, contexts=(0,))
+    assert c["decode_ceiling_tok_per_s@0"] == pytest.approx(100.0)
+    assert c["kv_bytes_per_token"] == 23_040
+
+
+def test_bad_backend_is_rejected():
+    with pytest.raises(ValueError, match="backend"):
+        rl.matmul_gflops(64, backend="fortran")
+
+
+@pytest.mark.slow
+def test_probe_positive_finite_and_repeatable():
+    a, b = rl.probe(quick=True), rl.probe(quick=True)
+    for key in ("read_gbs_1t", "copy_gbs_1t", "matmul_gflops_f32", "bandwidth_gbs"):
+        assert math.isfinite(a[key]) and a[key] > 0, key
+        # other jobs share these cores: only a loose ratio is a fair expectation
+        assert 1 / 3 < a[key] / b[key] < 3, (key, a[key], b[key])
