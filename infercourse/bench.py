@@ -231,27 +231,25 @@ def _run_sync(engine, reqs, offsets, deadline_s, warm, st, tags) -> None:
         for _ in engine.stream(w):
             pass
     t0 = st.start()
-    for i, req in enumerate(reqs):
-        if deadline_s and time.perf_counter() - t0 > deadline_s:
-            st.stop_reason = f"max duration {deadline_s}s reached"
-            break
-        sched = t0 + offsets[i] if offsets is not None else time.perf_counter()
-        if sched > time.perf_counter():
-            time.sleep(sched - time.perf_counter())
-        events, sent = [], time.perf_counter()
-        try:
-            for ev in engine.stream(req):
-                events.append(ev)
-            tr = trace_from_events(events, request_id=i, scheduled_t=sched, sent_t=sent,
-                                   in_flight_at_send=1, **tags[i])
-        except KeyboardInterrupt:
-            st.stop_reason = "interrupted"
-            break
-        except Exception as e:   # noqa: BLE001 - recorded, and the run goes on
-            tr = trace_from_events(events, request_id=i, scheduled_t=sched, sent_t=sent, error=e,
-                                   end_t=time.perf_counter(), in_flight_at_send=1, **tags[i])
-        st.max_in_flight = 1
-        st.done(tr)
+    st.max_in_flight = 1
+    try:
+        for i, req in enumerate(reqs):
+            if deadline_s and time.perf_counter() - t0 > deadline_s:
+                st.stop_reason = f"max duration {deadline_s}s reached"
+                break
+            sched = t0 + offsets[i] if offsets is not None else time.perf_counter()
+            time.sleep(max(0.0, sched - time.perf_counter()))
+            events, sent, err = [], time.perf_counter(), None
+            try:
+                for ev in engine.stream(req):
+                    events.append(ev)
+            except Exception as e:   # noqa: BLE001 - recorded, and the run goes on
+                err = e
+            st.done(trace_from_events(events, request_id=i, scheduled_t=sched, sent_t=sent, error=err,
+                                      end_t=time.perf_counter() if err else None, in_flight_at_send=1,
+                                      **tags[i]))
+    except KeyboardInterrupt:        # Ctrl-C: the request in progress is dropped, the rest kept
+        st.stop_reason = "interrupted"
 
 
 def _self_check(df, cpu_frac: float, is_async: bool, st: _State, max_in_flight: int,
@@ -398,6 +396,12 @@ def sweep(engine, workload, concurrencies: Sequence[int] = (1, 2, 4, 8), *,
 
     Returns (table, results): one summary row per level (throughput, p50/p95 latencies,
     errors, warnings) and the BenchResult of each level.
+
+    Args:
+        concurrencies: levels, low to high; stop adding levels once throughput stops rising.
+        requests_per_level: requests per level (default max(4 x level, 8)).
+        out_dir: parent folder; each level writes `c<level>/` under it.
+        **kw: passed to `run` (warmup, ignore_eos, seed...).
     """
     import pandas as pd
 

@@ -60,8 +60,10 @@ class ModelCard:
         return self.tensor_bytes
 
     def as_dict(self) -> dict:
-        """Plain dict for manifests and JSON, with the KV size per token (f16) added."""
-        return {**asdict(self), "kv_bytes_per_token_f16": self.kv_bytes_per_token(2)}
+        """Plain dict for manifests and JSON (and for `roofline`/`kvcache`, which accept
+        dicts), with weight_bytes and the f16 KV bytes per token added."""
+        return {**asdict(self), "weight_bytes": self.weight_bytes(),
+                "kv_bytes_per_token_f16": self.kv_bytes_per_token(2)}
 
     def to_frame(self):
         """Two-column DataFrame (field, value) for notebooks."""

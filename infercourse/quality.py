@@ -20,14 +20,21 @@ import numpy as np
 from .errors import BackendMissingError, ModelLayerError
 from .models import resolve_model
 
-__all__ = ["PARAGRAPH", "token_nlls", "mean_nll", "perplexity"]
+__all__ = ["PARAGRAPH", "token_nlls", "mean_nll", "perplexity", "plain_llama"]
 
 PARAGRAPH = (
     "The library opened at nine in the morning, and by ten most of the tables near the "
     "windows were taken. Students spread their notes across the wood and worked in silence, "
     "while the librarian walked between the shelves, returning books to their places. "
     "Outside, it had started to rain, and the sound of water on the glass made the room "
-    "feel warmer than it was. Nobody seemed to mind that the coffee machine was broken again."
+    "feel warmer than it was. Nobody seemed to mind that the coffee machine was broken again. "
+    "Around noon a group of children arrived with their teacher, who asked them to whisper "
+    "and to choose one book each. One boy wanted a book about volcanoes; his friend could "
+    "not decide between a story about a lost dog and an atlas of the oceans. The librarian "
+    "helped them find both, then showed the class how the cards in the old wooden catalogue "
+    "still pointed to books that had been moved years ago. In the afternoon the rain "
+    "stopped, the sun came through the clouds, and the long tables slowly emptied as people "
+    "went home for dinner, leaving behind only a few pencils and a forgotten umbrella."
 )
 
 
@@ -66,10 +73,38 @@ def perplexity(model: str | Path | None, text: str = PARAGRAPH, *, n_threads: in
     return math.exp(mean_nll(model, text, n_threads=n_threads))
 
 
-def _gguf_logits(path: Path, text: str, n_threads: int):
+def plain_llama(path: str | Path, **kwargs):
+    """`llama_cpp.Llama` with llama.cpp's extra weight buffers (AMX tiles, repacked
+    layouts) turned off: the plain CPU kernels, a fixed reference for quality checks.
+
+    Extra buffers change speed, not the model. They are off here also because some VMs
+    advertise AMX without enabling it, and llama.cpp then dies with SIGILL on the first
+    multi-token batch; `Llama()` exposes no switch, so we patch the default model params
+    for the duration of the load.
+
+    Args:
+        path: a GGUF file.
+        **kwargs: passed to `llama_cpp.Llama` (n_ctx, n_threads, ...).
+    """
     import llama_cpp
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=1024, logits_all=True,
-                          n_threads=n_threads, n_threads_batch=n_threads, verbose=False)
+    import llama_cpp.llama_cpp as lib
+    default = lib.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(model_path=str(path), verbose=False, **kwargs)
+    finally:
+        lib.llama_model_default_params = default
+
+
+def _gguf_logits(path: Path, text: str, n_threads: int):
+    llm = plain_llama(path, n_ctx=1024, n_batch=1024, logits_all=True,
+                      n_threads=n_threads, n_threads_batch=n_threads)
     try:
         ids = llm.tokenize(text.encode(), add_bos=False, special=False)
         llm.eval(ids)

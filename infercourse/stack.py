@@ -153,3 +153,28 @@ def explain_first_answers(answers: pd.DataFrame, ceiling_tok_per_s: float) -> st
     for name, row in answers[~answers["ok"]].iterrows():
         lines.append(f"- **{name}** did not run: {row['why'][:200]}")
     return "\n".join(lines)
+
+
+def chat_template_view(engine, prompt: str, *, max_tokens: int = 24) -> dict[str, Any]:
+    """What the API layer adds before the runtime sees anything: the chat template.
+
+    Returns the templated text, token counts with and without it, and the greedy answers
+    to the raw prompt and to the templated one (an instruct model fed raw text often
+    stops at once or rambles: the template is part of the model's contract).
+    """
+    chat = Request(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                   cache_prompt=False)
+    raw = Request(prompt=prompt, max_tokens=max_tokens, cache_prompt=False)
+    raw_c, chat_c = generate(engine, raw), generate(engine, chat)
+    return {"templated_text": engine.format_prompt(chat),
+            "raw_tokens": raw_c.usage.prompt_tokens, "chat_tokens": chat_c.usage.prompt_tokens,
+            "raw_answer": raw_c.text, "raw_finish": raw_c.finish_reason,
+            "raw_completion_tokens": raw_c.usage.completion_tokens,
+            "chat_answer": chat_c.text, "chat_completion_tokens": chat_c.usage.completion_tokens}
+
+
+def layer_overheads(df: pd.DataFrame) -> pd.DataFrame:
+    """Median TTFT / decode speed / E2E per layer, and what each adds over the runtime."""
+    med = df.groupby("layer", sort=False)[["ttft_s", "decode_tok_per_s", "e2e_s"]].median()
+    med["ttft_added_ms"] = 1000 * (med["ttft_s"] - med["ttft_s"].iloc[0])
+    return med

@@ -108,6 +108,28 @@ def test_ctrl_c_in_process_keeps_finished(tmp_path):
     assert json.loads((r.dir / "manifest.json").read_text())["status"].startswith("stopped")
 
 
+def test_max_duration_bounds_the_run(tmp_path):
+    r = bench.run(FakeEngine(delay_s=0.005), [REQ], max_requests=1000, max_duration_s=0.3, warmup=0,
+                  out_dir=tmp_path / "run", progress=False)          # ~0.05 s per request
+    assert 3 <= len(r.traces) < 20 and "max duration" in r.manifest["stopped"]
+    assert max(t.sent_t for t in r.traces) - r.traces[0].scheduled_t <= 0.3
+
+
+def test_engine_error_becomes_error_trace_and_run_goes_on(tmp_path):
+    from infercourse.errors import ContextLayerError
+
+    class Picky(FakeEngine):
+        def stream(self, request):
+            if request.max_tokens > 50:
+                raise ContextLayerError("prompt + max_tokens exceed the context window")
+            yield from super().stream(request)
+
+    reqs = [REQ, Request(prompt="long", max_tokens=99), REQ]
+    r = bench.run(Picky(), reqs, warmup=0, out_dir=tmp_path / "run", progress=False)
+    assert [t.status for t in r.traces] == ["ok", "error", "ok"]
+    assert "context layer" in r.traces[1].error and len(lines(r)) == 3
+
+
 def test_sweep_refuses_in_process_engine(tmp_path):
     with pytest.raises(EngineLayerError, match="one request at a time"):
         bench.sweep(FakeEngine(), [REQ], (1, 2), out_dir=tmp_path)
@@ -154,6 +176,15 @@ def test_fixed_concurrency_hits_target(source, tmp_path):
     wall = max(t.end_t for t in r.traces) - min(t.scheduled_t for t in r.traces)
     per_req = np.median([t.end_t - t.sent_t for t in r.traces])
     assert 16 / wall == pytest.approx(4 / per_req, rel=0.3)          # 4 busy workers all the time
+
+
+@pytest.mark.slow
+def test_sweep_one_row_per_level(source, tmp_path):
+    table, runs = bench.sweep(http_engine(source.url), [REQ], (1, 4), requests_per_level=8, warmup=0,
+                              out_dir=tmp_path, progress=False)
+    assert list(table.index) == [1, 4] and list(table["max_in_flight"]) == [1, 4]
+    assert table.loc[4, "requests_per_s"] > 2 * table.loc[1, "requests_per_s"]   # not saturated yet
+    assert (tmp_path / "c4" / "requests.jsonl").read_text().count("\n") == 8
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from infercourse.engines import engine_class, make_engine
 from infercourse.errors import (BackendMissingError, ContextLayerError, InferCourseError,
                                 ModelLayerError)
 
-from .conftest import CHAT
+CHAT = [{"role": "user", "content": "Name three primary colors."}]
 
 ENGINES = ["llamacpp_engine", "transformers_engine", "mlx_engine"]
 pytestmark = pytest.mark.slow

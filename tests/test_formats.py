@@ -17,13 +17,14 @@ from infercourse import formats
 from infercourse.errors import ModelLayerError, RuntimeLayerError
 from infercourse.modelcard import model_card
 from infercourse.models import embedded_gguf, file_sha256
-from infercourse.quality import PARAGRAPH, token_nlls
+from infercourse.quality import plain_llama, token_nlls
 
-# Same weights in another container should score the same paragraph within rounding;
-# measured spreads are ~1e-3 nats/token (see test_nll_agrees_across_formats).
-NLL_TOL = 0.02
-CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-N_GEN = 24
+# Same weights in another container should score the same paragraph within rounding.
+# Measured here (236 tokens): Q4_1 3.5588, F16 3.5571, HF 3.5568, MLX 3.5568 nats/token,
+# and 3.6691 for MLX without rope_theta: the tolerance sits between the two effects.
+NLL_TOL = 0.01
+CHAT = [{"role": "user", "content": "Write two sentences about the sea."}]
+N_GEN = 32
 
 
 @pytest.fixture(scope="session")
@@ -83,8 +84,7 @@ def test_manifest_records_provenance(hf_dir, f16_path):
 
 
 def _greedy_gguf(path) -> str:
-    import llama_cpp
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=2, verbose=False)
+    llm = plain_llama(path, n_ctx=512, n_threads=2)
     try:
         out = llm.create_chat_completion(CHAT, temperature=0.0, max_tokens=N_GEN, seed=0)
         return out["choices"][0]["message"]["content"]
@@ -107,12 +107,15 @@ def _greedy_hf(folder) -> str:
 def test_greedy_chat_text_matches_the_source(hf_dir, f16_path):
     """Greedy replies to one chat prompt: F16 GGUF and HF folder reproduce the Q4_1 text.
 
-    Tolerance: the first 12 words must match exactly. Weights are identical up to fp16
+    Tolerance: the first 12 words must match exactly (measured: whole replies equal). Weights are identical up to fp16
     rounding, but llama.cpp multiplies Q4_1 weights by 8-bit-quantized activations while
     F16/fp32 paths do not, so a near-tie can flip late in a reply.
     """
     ref = _greedy_gguf(embedded_gguf())
+    print(f"\nQ4_1: {ref!r}")
+    assert len(ref.split()) >= 12, ref
     for name, text in [("F16", _greedy_gguf(f16_path)), ("HF", _greedy_hf(hf_dir))]:
+        print(f"{name}: {text!r}")
         assert text.split()[:12] == ref.split()[:12], (name, text, ref)
 
 
@@ -208,6 +211,32 @@ def test_failed_build_and_leftovers_are_never_taken_as_valid(tmp_path):
 
     assert (formats._derive(target, ok) / "data").read_bytes() == b"done"
     assert formats.manifest(target)["tool"] == "test"
+
+
+def test_killed_derivation_is_not_taken_as_valid(tmp_path):
+    """SIGKILL mid-build (no cleanup can run): the target never appears; a retry builds it."""
+    import signal
+    import subprocess
+    import sys
+    target = tmp_path / "t"
+    code = ("import sys, time; from pathlib import Path; from infercourse import formats\n"
+            "def build(out):\n"
+            "    (out / 'part').write_bytes(b'x'); print('started', flush=True); time.sleep(60)\n"
+            f"formats._derive(Path({str(target)!r}), build)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not target.exists() and list(tmp_path.glob(".t.tmp-*"))  # debris, never valid
+
+    def ok(out):
+        (out / "data").write_bytes(b"done")
+        return {"tool": "test", "version": "0", "args": []}
+
+    assert (formats._derive(target, ok) / "data").read_bytes() == b"done"
+    assert not list(tmp_path.glob(".t.tmp-*"))  # the retry swept the debris
 
 
 def test_lock_lets_one_process_build_while_others_wait(tmp_path):

@@ -118,7 +118,7 @@ def test_parses_llama_server_shaped_stream(standin):
     assert last.usage.source == "server" and last.usage.completion_tokens == 4
     assert last.usage.prompt_tokens == 12 and last.usage.cached_tokens == 3
     assert {k: last.timings[k] for k in LLAMA_TIMINGS} == LLAMA_TIMINGS  # verbatim
-    assert last.timings["chunk_tokens_from"] == "logprobs"
+    assert last.timings["chunk_tokens_from"] == "logprobs" and last.n_tokens == 0
     body = _StandIn.bodies[-1]
     assert body["model"] == "stand-in"                                  # asked /v1/models
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
@@ -211,7 +211,8 @@ def test_llama_server_greedy_stream(llama):
     ts = [t0] + [e.t for e in events]
     assert all(a <= b for a, b in zip(ts, ts[1:]))                     # monotonic arrival
     assert last.usage.source == "server" and last.usage.prompt_tokens > 0
-    assert sum(e.n_tokens for e in chunks) == last.usage.completion_tokens
+    assert sum(e.n_tokens for e in events) == last.usage.completion_tokens
+    assert last.n_tokens == (1 if last.finish_reason == "stop" else 0)  # the EOS, never streamed
     assert last.timings["predicted_n"] == last.usage.completion_tokens  # llama-server timings
     c = generate(eng, "Name three colors.", max_tokens=48)              # greedy: same again
     assert c.text == "".join(e.text for e in chunks) and c.text.strip()

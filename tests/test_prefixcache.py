@@ -1,0 +1,92 @@
+"""Prefix caching: where prompts diverge, server counters, and cold vs warm on llama.cpp."""
+import pytest
+
+from infercourse import prefixcache as pc
+from infercourse.engines.base import Request
+from infercourse.errors import APILayerError
+from infercourse.servers import free_port
+from infercourse.workloads import shared_prefix_workload
+
+VLLM_METRICS = """\
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 200.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 750.0
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 150.0
+# HELP vllm:prefix_cache_hits_created x
+# TYPE vllm:prefix_cache_hits_created gauge
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+"""
+
+
+def test_first_divergence():
+    assert pc.first_divergence([1, 2, 3], [1, 2, 9]) == 2
+    assert pc.first_divergence([5, 2], [1, 2]) == 0
+    assert pc.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert pc.first_divergence([1, 2], [1, 2, 3]) == 2       # a prefix of the other
+
+
+def test_prometheus_counters_sum_labels_and_skip_created():
+    got = pc.prometheus_counters(VLLM_METRICS, pc.VLLM_PREFIX_COUNTERS)
+    assert got == {"vllm:prefix_cache_queries": 1200.0, "vllm:prefix_cache_hits": 900.0}
+    # names with the wire suffix work too; absent names are simply missing
+    assert pc.prometheus_counters(VLLM_METRICS, ["vllm:prefix_cache_hits_total", "nope"]) == \
+        {"vllm:prefix_cache_hits": 900.0}
+
+
+def test_counter_delta_and_hit_rate():
+    before = {"vllm:prefix_cache_queries": 1000.0, "vllm:prefix_cache_hits": 100.0}
+    after = {"vllm:prefix_cache_queries": 1600.0, "vllm:prefix_cache_hits": 550.0}
+    d = pc.counter_delta(before, after)
+    assert d == {"vllm:prefix_cache_queries": 600.0, "vllm:prefix_cache_hits": 450.0}
+    assert pc.hit_rate(d) == pytest.approx(0.75)
+    assert pc.hit_rate({"vllm:prefix_cache_queries": 0.0}) is None
+
+
+def test_prometheus_counters_unreachable_is_api_error():
+    with pytest.raises(APILayerError, match="not reachable"):
+        pc.prometheus_counters(f"http://127.0.0.1:{free_port()}", pc.VLLM_PREFIX_COUNTERS)
+
+
+@pytest.mark.slow
+def test_divergence_view_finds_what_breaks_the_cache(llamacpp_engine):
+    eng = llamacpp_engine
+    views = {v: pc.divergence_view(eng, *shared_prefix_workload(2, variant=v).requests[:2])
+             for v in ("shared", "timestamp", "reordered_tools")}
+    shared, ts, ro = views["shared"], views["timestamp"], views["reordered_tools"]
+    assert shared["shared_pct"] > 90 and "Task" in shared["before"] + shared["a_after"]
+    assert ts["first_divergence"] < 30                           # the clock on the first line:
+    assert ts["a_after"][0].isdigit() and ts["a_after"][0] != ts["b_after"][0]  # a seconds digit
+    assert ts["first_divergence"] < ro["first_divergence"] < shared["first_divergence"]
+
+
+def small_workload(n, header=lambda i: ""):
+    """~120-token shared prefix (the course's 530-token one is slow to prefill on a
+    contended CPU); `header(i)` puts something per-request on the first line."""
+    system = ("You are a careful coding assistant for the textstats repository. " * 8).strip()
+    return [Request(messages=[{"role": "system", "content": header(i) + system},
+                              {"role": "user", "content": f"Task {i}: explain file {i}."}], max_tokens=2)
+            for i in range(n)]
+
+
+@pytest.mark.slow
+def test_cold_warm_llamacpp(llamacpp_engine, tmp_path):
+    df = pc.cold_warm(llamacpp_engine, small_workload(3), out_dir=tmp_path)
+    off, on = df[~df["cache_prompt"]], df[df["cache_prompt"]]
+    assert (off["state"] == "cold").all() and (off["prompt_n"] == off["prompt_tokens"]).all()
+    assert on["state"].tolist() == ["cold", "warm", "warm"]          # the 1st fills the cache
+    assert (on["prompt_n"].iloc[1:] < 0.3 * on["prompt_tokens"].iloc[1:]).all()
+    assert (on["cached_tokens"] + on["prompt_n"] == on["prompt_tokens"]).all()
+    s = pc.cold_warm_summary(df)
+    assert s.loc[(True, "warm"), "requests"] == 2 and s.loc[(False, "cold"), "requests"] == 3
+    assert (tmp_path / "prefix-cache" / "manifest.json").is_file()
+    # a per-request timestamp on the first line: same engine, cache on, nothing useful reused
+    ts = pc.cold_warm(llamacpp_engine, small_workload(2, lambda i: f"Time: 10:00:{i:02d}\n"),
+                      settings=(True,), label="ts", out_dir=tmp_path)
+    assert (ts["state"] == "cold").all() and (ts["cached_tokens"] < 20).all()

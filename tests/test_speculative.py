@@ -1,0 +1,96 @@
+"""Speculative decoding: the drafter, the acceptance counting, the cost model, and (slow)
+that transformers' assisted decoding keeps the greedy output while taking fewer passes."""
+import math
+
+import numpy as np
+import pytest
+
+from infercourse.errors import ModelLayerError
+from infercourse.speculative import (break_even_acceptance, chunk_acceptance, expected_speedup,
+                                     expected_tokens_per_step, lookup_draft, replay_acceptance)
+
+
+def test_lookup_draft_copies_what_followed_the_last_ngram():
+    ids = [1, 2, 3, 4, 5, 1, 2]
+    assert list(lookup_draft(ids, k=10)) == [3, 4, 5, 1, 2]   # bigram (1, 2) seen at 0
+    assert list(lookup_draft(ids, k=2)) == [3, 4]
+    assert list(lookup_draft([7, 8, 9, 8], k=3)) == [9, 8]     # falls back to unigram 8
+    assert lookup_draft([1, 2, 3], k=5).size == 0              # nothing repeats: no guess
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lookup_draft_matches_both_runtimes(seed):
+    """Our replay is only as good as its fidelity to what the engines really propose."""
+    import torch
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+    rng = np.random.default_rng(seed)
+    gen = PromptLookupCandidateGenerator(num_output_tokens=4, max_matching_ngram_size=2,
+                                         max_length=10_000)
+    for n in range(3, 60):
+        ids = rng.integers(0, 6, n)  # a small vocabulary so n-grams repeat
+        ours = list(lookup_draft(ids, k=4))
+        ref = LlamaPromptLookupDecoding.find_candidate_pred_tokens(ids.astype(np.intc), 2, 4)
+        assert ours == list(ref)
+        cand, _ = gen.get_candidates(torch.from_numpy(ids[None]))
+        assert ours == cand[0, n:].tolist()
+
+
+def test_replay_acceptance_counts_steps_and_proposals():
+    out = list(range(100, 110))                            # 10 tokens to produce
+    oracle = lambda seq: np.array(out[len(seq) - 2:len(seq) + 1])  # always right, k=3
+    r = replay_acceptance([1, 2], out, oracle)
+    # steps at positions 0, 4, 8: proposals capped at the tokens left minus one (3, 3, 1)
+    assert (r["steps"], r["proposed"], r["accepted"]) == (3, 7, 7)
+    assert r["acceptance_rate"] == 1.0 and math.isclose(r["tokens_per_step"], 10 / 3)
+    wrong = replay_acceptance([1, 2], out, lambda seq: np.array([0, 0]))
+    assert (wrong["steps"], wrong["accepted"], wrong["acceptance_rate"]) == (10, 0, 0.0)
+
+
+def test_chunk_acceptance_reads_accepted_tokens_from_chunk_sizes():
+    c = chunk_acceptance([3, 1, 5], k=4)
+    assert (c["steps"], c["accepted"]) == (3, 6)
+    assert c["proposed"] == 12 and c["acceptance_rate"] == 0.5   # min(4, 9-pos-1) per step
+    assert chunk_acceptance([1] * 8)["tokens_per_step"] == 1.0
+
+
+def test_cost_model():
+    assert expected_tokens_per_step(0.0, 4) == 1.0
+    assert expected_tokens_per_step(1.0, 4) == 5.0
+    assert math.isclose(expected_tokens_per_step(0.5, 2), 1.75)
+    # a same-size draft (cost 1) at best breaks even; a free drafter gains with any hit
+    assert math.isclose(expected_speedup(1.0, 4, 1.0), 1.0)
+    assert expected_speedup(0.5, 4, 0.0) > 1.9
+    a = break_even_acceptance(4, 0.25)
+    assert 0 < a < 1 and math.isclose(expected_speedup(a, 4, 0.25), 1.0, rel_tol=1e-6)
+    assert math.isnan(break_even_acceptance(4, 1.5))
+
+
+@pytest.mark.slow
+def test_prompt_lookup_is_exact_and_counted_right():
+    """Greedy output unchanged; chunk sizes agree with the offline replay; copying hits."""
+    from infercourse.speculative import compare_speculation
+    from infercourse.engines.transformers_engine import TransformersEngine
+    from infercourse.quality import PARAGRAPH
+    prompts = {"copy": "Copy this text exactly:\n\n" + PARAGRAPH[:300]}
+    df = compare_speculation({"plain": lambda: TransformersEngine(n_threads=1),
+                              "lookup": lambda: TransformersEngine(n_threads=1, assistant="prompt-lookup")},
+                             prompts, max_tokens=20).set_index("config")
+    assert bool(df.loc["lookup", "identical_output"])
+    assert df.loc["plain", "chunk_tokens_per_step"] == 1.0
+    assert math.isclose(df.loc["lookup", "chunk_tokens_per_step"], df.loc["lookup", "lookup_tokens_per_step"])
+    assert df.loc["lookup", "chunk_tokens_per_step"] > 1.5
+
+
+@pytest.mark.slow
+def test_self_draft_accepts_everything_and_truncated_draft_is_smaller():
+    from infercourse.formats import hf_folder
+    from infercourse.modelcard import model_card
+    from infercourse.speculative import compare_speculation, draft_model_engine, truncated_draft
+    df = compare_speculation({"self": lambda: draft_model_engine(hf_folder(), 3, n_threads=1)},
+                             {"open": "Name three colours."}, max_tokens=12)
+    assert df.loc[0, "draft_acceptance"] == 1.0 and df.loc[0, "chunk_steps"] == 3
+    draft = model_card(truncated_draft(4))
+    assert draft.n_layers == 4 and draft.n_params < model_card(hf_folder()).n_params
+    with pytest.raises(ModelLayerError):
+        truncated_draft(0)
