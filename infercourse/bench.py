@@ -321,6 +321,7 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
             raise ValueError("pattern 'replay' needs offsets_s or a workload with offsets")
         offsets = np.asarray([offsets[i % len(offsets)] + (i // len(offsets)) * (max(offsets) + 1.0)
                               for i in range(n)], float)
+    offsets = None if offsets is None else [float(o) for o in offsets]   # plain floats for JSON
     if pattern == "sequential":
         concurrency = 1
     is_async, notes = hasattr(engine, "astream"), []

@@ -95,6 +95,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--pattern replay replays the timing of --workload agentic")
     if a.pattern == "sweep" and a.engine != "http":
         p.error("--pattern sweep needs a server (--engine http): an in-process engine runs one request at a time")
+    if a.roofline and a.engine != "llamacpp":
+        p.error("--roofline needs --engine llamacpp: the ceiling is computed from the local model file")
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
 
@@ -163,7 +165,7 @@ def bench_main(argv: list[str] | None = None) -> int:
         r = bench.run(engine, work, pattern=a.pattern, concurrency=a.concurrency, rate_rps=a.rate,
                       max_requests=a.requests, **kw)
         _print_summary(r)
-        if a.roofline and a.engine == "llamacpp":
+        if a.roofline:
             _print_roofline(engine, r)
         return 0
     except InferCourseError as e:

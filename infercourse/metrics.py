@@ -129,14 +129,19 @@ def prefill_tok_per_s(tr: RequestTrace) -> float | None:
 
 
 def decode_tok_per_s(tr: RequestTrace) -> float | None:
-    """(output tokens - first chunk's tokens) / (last token chunk - first token chunk);
-    None with a single token chunk (no decode interval to measure)."""
+    """(streamed tokens - first chunk's tokens) / (last token chunk - first token chunk);
+    None with a single token chunk (no decode interval to measure). Falls back to the
+    usage count when chunks carry no token counts."""
     idx = _token_chunks(tr)
     if len(idx) < 2:
         return None
     dt = tr.chunk_t[idx[-1]] - tr.chunk_t[idx[0]]
     first = tr.chunk_tokens[idx[0]] or 1  # a chunk that reports 0 tokens still held one
-    return (output_tokens(tr) - first) / dt if dt > 0 else None
+    # Tokens that arrived inside the interval: the streamed ones. A stop token counted in
+    # usage but never streamed was generated after the last chunk, outside it.
+    streamed = sum(tr.chunk_tokens[i] for i in idx)
+    n = streamed if streamed >= len(idx) else output_tokens(tr)
+    return (n - first) / dt if dt > 0 else None
 
 
 # ---- per run ---------------------------------------------------------------------------

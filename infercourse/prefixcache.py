@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 import httpx
 import pandas as pd
 
-from .agent import common_prefix_len
+from .agent import common_prefix_len, run_dir
 from .engines.base import Request, generate
 from .errors import APILayerError
 
@@ -38,8 +38,9 @@ __all__ = ["VLLM_PREFIX_COUNTERS", "LLAMA_SERVER_COUNTERS", "first_divergence", 
 
 # Counters as vLLM (v1 engine) declares them; on the wire each gets a `_total` suffix.
 VLLM_PREFIX_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
-# llama-server (--metrics): prompt tokens it actually evaluated, so cached ones are not in it.
-LLAMA_SERVER_COUNTERS = ("llamacpp:prompt_tokens",)
+# llama-server (--metrics): prompt tokens it evaluated (cached ones excluded) and, in newer
+# builds, prompt tokens it reused from the cache.
+LLAMA_SERVER_COUNTERS = ("llamacpp:prompt_tokens", "llamacpp:prompt_tokens_cached")
 
 
 def first_divergence(tokens_a: Sequence, tokens_b: Sequence) -> int | None:
@@ -86,7 +87,7 @@ def _warm_up(engine) -> None:
         engine.reset()
 
 
-def cold_warm(engine, workload, *, label: str = "prefix", out_dir: str | Path | None = None,
+def cold_warm(engine, workload, *, label: str = "prefix", results_root: str | Path | None = None,
               settings: Iterable[bool] = (False, True)) -> pd.DataFrame:
     """Run the same requests with the prefix cache off, then on, back to back.
 
@@ -100,7 +101,8 @@ def cold_warm(engine, workload, *, label: str = "prefix", out_dir: str | Path | 
     Args:
         engine: an in-process engine (reset between settings) or an HTTP engine.
         workload: a `workloads.Workload` or a list of Requests.
-        label: run name prefix; one run per setting is saved under `out_dir`.
+        label: run name prefix; one run per setting is saved under `results_root`, each
+            in a new timestamped folder.
         settings: the cache_prompt values to run, in order.
     """
     from .bench import run
@@ -113,7 +115,7 @@ def cold_warm(engine, workload, *, label: str = "prefix", out_dir: str | Path | 
         name = f"{label}-{'cache' if cache else 'nocache'}"
         res = run(engine, [replace(r, cache_prompt=cache, ignore_eos=True) for r in reqs],
                   pattern="sequential", warmup=0, progress=False, label=name,
-                  out_dir=Path(out_dir) / name if out_dir else None,
+                  out_dir=run_dir(results_root, name),
                   conditions={"cache_prompt": cache, "workload_name": getattr(workload, "name", None)})
         df = res.df.copy()
         df["cache_prompt"] = cache
@@ -176,7 +178,7 @@ def run_with_counters(engine, workload, source: str, names: Iterable[str], **kw:
     Args:
         source: the server URL whose /metrics to read.
         names: counter families, e.g. VLLM_PREFIX_COUNTERS or LLAMA_SERVER_COUNTERS.
-        kw: passed to `cold_warm` (settings, label, out_dir).
+        kw: passed to `cold_warm` (settings, label, results_root).
     """
     names = list(names)
     before = prometheus_counters(source, names)

@@ -25,7 +25,8 @@ import numpy as np
 from .errors import ModelLayerError
 
 __all__ = ["measure_ladder", "ladder_paths", "greedy_agreement", "rss_bytes",
-           "levels_per_block", "paired_nll_difference"]
+           "levels_per_block", "paired_nll_difference",
+           "ladder_table"]
 
 
 def rss_bytes() -> int:
@@ -67,6 +68,53 @@ def ladder_paths(qtypes: Iterable[str], *, include_original: bool = True) -> dic
     return paths
 
 
+def _facts(llm, path: Path) -> dict:
+    """What llama.cpp itself reports for a loaded GGUF: weight bytes, parameters, file
+    type and the shape fields the KV-cache arithmetic needs (no separate file parse)."""
+    import llama_cpp
+    from gguf import LlamaFileType
+    m, meta = llm._model.model, llm.metadata
+    arch = meta["general.architecture"]
+    weight_bytes, n_params = llama_cpp.llama_model_size(m), llama_cpp.llama_model_n_params(m)
+    n_heads = int(meta[f"{arch}.attention.head_count"])
+    hidden = int(meta[f"{arch}.embedding_length"])
+    ftype = int(meta.get("general.file_type", -1))
+    try:
+        name = LlamaFileType(ftype).name.removeprefix("MOSTLY_")
+    except ValueError:
+        name = f"file_type {ftype}"
+    return {"file_type": name, "file_bytes": path.stat().st_size, "weight_bytes": weight_bytes,
+            "n_params": n_params, "bits_per_weight": 8 * weight_bytes / n_params,
+            "n_layers": int(meta[f"{arch}.block_count"]), "head_dim": hidden // n_heads,
+            "n_kv_heads": int(meta.get(f"{arch}.attention.head_count_kv", n_heads))}
+
+
+def ladder_table(paths: dict[str, str | Path], bandwidth_gbs: float | None = None):
+    """The ladder before measuring: per file, its type, bytes on disk, weight bytes and
+    real bits per weight as llama.cpp loads them, and (given a bandwidth) the decode
+    ceiling those bytes imply. Loading is memory-mapped, so this reads headers only.
+
+    Args:
+        paths: {name: GGUF path}, e.g. from `ladder_paths`.
+        bandwidth_gbs: memory bandwidth in GB/s for `decode_ceiling_tok_per_s`.
+    """
+    import llama_cpp
+    import pandas as pd
+
+    from .roofline import decode_ceiling_tok_per_s
+    rows = []
+    for name, path in paths.items():
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, verbose=False)
+        try:
+            facts = _facts(llm, Path(path))
+        finally:
+            llm.close()
+        if bandwidth_gbs:
+            facts["decode_ceiling_tok_per_s"] = decode_ceiling_tok_per_s(bandwidth_gbs, facts)
+        rows.append({"quant": name, "path": str(path), **facts})
+    return pd.DataFrame(rows)
+
+
 def _run_prompts(engine, prompts, max_tokens):
     """Greedy, fixed-length runs; returns (traces, token pieces per prompt)."""
     from .engines.base import Request
@@ -88,7 +136,8 @@ def measure_ladder(paths: dict[str, str | Path], prompts: Sequence[str], *, max_
                    writer=None):
     """Measure every GGUF in `paths` the same way; one row per quantization.
 
-    Columns: quant, file_type, file_bytes, size_gb, bits_per_weight (from the tensors),
+    Columns: quant, file_type, file_bytes, size_gb, weight_bytes and bits_per_weight (as
+    llama.cpp loaded the tensors),
     rss_delta_bytes (resident memory the load and a first request added: weights touched,
     KV cache of `n_ctx`, compute buffers), prefill_tok_per_s and decode_tok_per_s (median
     over prompts), perplexity (on `eval_text`), greedy_agreement (mean over prompts, vs
@@ -111,7 +160,6 @@ def measure_ladder(paths: dict[str, str | Path], prompts: Sequence[str], *, max_
 
     from .engines.llamacpp import LlamaCppEngine
     from .metrics import decode_tok_per_s, prefill_tok_per_s
-    from .modelcard import model_card
     from .quality import token_nlls
     from .roofline import decode_ceiling_tok_per_s
 
@@ -125,7 +173,6 @@ def measure_ladder(paths: dict[str, str | Path], prompts: Sequence[str], *, max_
     rows, ref_pieces, nlls = {}, None, {}
     for name in order:
         path = Path(paths[name])
-        card = model_card(path)
         gc.collect()
         rss0 = rss_bytes()
         engine = LlamaCppEngine(path, n_ctx=n_ctx, n_threads=n_threads)
@@ -133,6 +180,7 @@ def measure_ladder(paths: dict[str, str | Path], prompts: Sequence[str], *, max_
             _run_prompts(engine, prompts[:1], 4)  # warm-up: page the weights in
             rss1 = rss_bytes()
             traces, pieces = _run_prompts(engine, prompts, max_tokens)
+            facts = _facts(engine.llm, path)
         finally:
             engine.llm.close()
             del engine
@@ -143,9 +191,9 @@ def measure_ladder(paths: dict[str, str | Path], prompts: Sequence[str], *, max_
         if ref_pieces is None:
             ref_pieces = pieces
         prompt_ctx = int(np.mean([tr.prompt_tokens for tr in traces])) + max_tokens // 2
-        row = {"quant": name, "file_type": card.quantization, "file_bytes": path.stat().st_size,
-               "size_gb": path.stat().st_size / 1e9, "bits_per_weight": card.bits_per_weight,
-               "rss_delta_bytes": rss1 - rss0,
+        row = {"quant": name, "file_type": facts["file_type"], "file_bytes": facts["file_bytes"],
+               "size_gb": facts["file_bytes"] / 1e9, "weight_bytes": facts["weight_bytes"],
+               "bits_per_weight": facts["bits_per_weight"], "rss_delta_bytes": rss1 - rss0,
                "prefill_tok_per_s": float(np.median([prefill_tok_per_s(t) for t in traces])),
                "decode_tok_per_s": float(np.median([decode_tok_per_s(t) for t in traces])),
                "greedy_agreement": float(np.mean([greedy_agreement(r, c)
@@ -154,7 +202,7 @@ def measure_ladder(paths: dict[str, str | Path], prompts: Sequence[str], *, max_
             nlls[name] = token_nlls(path, eval_text, n_threads=n_threads)[1]
             row.update(mean_nll=float(nlls[name].mean()), perplexity=float(np.exp(nlls[name].mean())))
         if bandwidth_gbs:
-            ceiling = decode_ceiling_tok_per_s(bandwidth_gbs, card, context=prompt_ctx)
+            ceiling = decode_ceiling_tok_per_s(bandwidth_gbs, facts, context=prompt_ctx)
             row.update(decode_ceiling_tok_per_s=ceiling, mbu=row["decode_tok_per_s"] / ceiling)
         rows[name] = row
     df = pd.DataFrame([rows[k] for k in paths])  # back in the caller's order
@@ -179,31 +227,39 @@ def paired_nll_difference(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     return float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size))
 
 
-def levels_per_block(gguf_path: str | Path, tensor: str, block: int = 32) -> dict[str, float]:
-    """Distinct values per block of `block` consecutive weights in one tensor.
+def levels_per_block(gguf_path: str | Path, tensors: Sequence[str], block: int = 32,
+                     max_blocks: int | None = 20_000) -> dict[str, dict[str, float]]:
+    """Distinct values per block of `block` consecutive weights, for each named tensor.
 
     A 4-bit quantizer (Q4_0, Q4_1) stores each block of 32 weights as 16 possible levels,
     so weights dequantized from it, even when stored as F16, show at most 16 distinct
     values per block; weights trained in 16-bit show nearly `block`.
 
     Args:
-        gguf_path: a GGUF whose `tensor` is stored unquantized (F16/F32/BF16).
-        tensor: tensor name, e.g. "blk.0.ffn_down.weight".
+        gguf_path: a GGUF whose `tensors` are stored unquantized (F16/F32/BF16).
+        tensors: tensor names, e.g. ["blk.0.ffn_down.weight"] (the file is parsed once).
         block: weights per block (32 for Q4_0/Q4_1/Q8_0).
-    Returns {"max": ..., "mean": ..., "blocks": ...}.
+        max_blocks: look at the first this many blocks only (None: all; big embeddings
+            have about a million).
+    Returns {tensor: {"max": ..., "mean": ..., "blocks": ...}}.
     """
     from gguf import GGUFReader
-    reader = GGUFReader(str(gguf_path))
-    found = [t for t in reader.tensors if t.name == tensor]
-    if not found:
-        names = ", ".join(t.name for t in reader.tensors[:6])
-        raise ModelLayerError(f"{tensor!r} not in {gguf_path}", hint=f"tensors look like: {names}...")
-    t = found[0]
-    if t.tensor_type.name not in ("F16", "F32", "BF16"):
-        raise ModelLayerError(f"{tensor} is stored as {t.tensor_type.name}; levels_per_block "
-                              "reads unquantized tensors", hint="use the F16 GGUF")
-    data = np.asarray(t.data).reshape(-1)
-    data = data[: data.size // block * block].reshape(-1, block)
-    srt = np.sort(data, axis=1)  # distinct values per row = 1 + number of steps in the sorted row
-    counts = (np.diff(srt, axis=1) != 0).sum(axis=1) + 1
-    return {"max": int(counts.max()), "mean": float(counts.mean()), "blocks": int(counts.size)}
+    if isinstance(tensors, str):
+        raise TypeError("tensors must be a list of names, e.g. [\"blk.0.attn_q.weight\"]")
+    found = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    out = {}
+    for name in tensors:
+        if name not in found:
+            raise ModelLayerError(f"{name!r} not in {gguf_path}",
+                                  hint=f"tensors look like: {', '.join(list(found)[:6])}...")
+        t = found[name]
+        if t.tensor_type.name not in ("F16", "F32", "BF16"):
+            raise ModelLayerError(f"{name} is stored as {t.tensor_type.name}; levels_per_block "
+                                  "reads unquantized tensors", hint="use the F16 GGUF")
+        data = np.asarray(t.data).reshape(-1)
+        data = data[: data.size // block * block].reshape(-1, block)[:max_blocks]
+        srt = np.sort(data, axis=1)  # distinct values per row = 1 + steps in the sorted row
+        counts = (np.diff(srt, axis=1) != 0).sum(axis=1) + 1
+        out[name] = {"max": int(counts.max()), "mean": round(float(counts.mean()), 2),
+                     "blocks": int(counts.size)}
+    return out

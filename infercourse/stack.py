@@ -62,6 +62,7 @@ def _timed(engine, request: Request) -> dict[str, Any]:
     tr = trace_from_events(c.events, request_id=0, scheduled_t=c.t_start, sent_t=c.t_start)
     return {"text": c.text, "prompt_tokens": tr.prompt_tokens,
             "completion_tokens": tr.completion_tokens, "ttft_s": metrics.ttft_s(tr),
+            "prefill_tok_per_s": metrics.prefill_tok_per_s(tr),
             "decode_tok_per_s": metrics.decode_tok_per_s(tr), "e2e_s": metrics.e2e_s(tr),
             "token_source": tr.token_source}
 

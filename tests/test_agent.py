@@ -94,8 +94,8 @@ def mini_session(n_calls=3):
 @pytest.mark.slow
 def test_replay_prefill_cache_saves_prefill(llamacpp_engine, tmp_path):
     n, sess = 3, mini_session()
-    off = agent.replay_prefill(llamacpp_engine, sess, n, cache_prompt=False, max_tokens=2, out_dir=tmp_path)
-    on = agent.replay_prefill(llamacpp_engine, sess, n, cache_prompt=True, max_tokens=2, out_dir=tmp_path)
+    off = agent.replay_prefill(llamacpp_engine, sess, n, cache_prompt=False, max_tokens=2, results_root=tmp_path)
+    on = agent.replay_prefill(llamacpp_engine, sess, n, cache_prompt=True, max_tokens=2, results_root=tmp_path)
     stats = agent.session_stats(sess, llamacpp_engine.prompt_tokens)
     assert list(off["prompt_tokens"]) == list(stats["prompt_tokens"])
     # cache off: every prompt token evaluated; cache on: call 0 cold, later calls reuse
@@ -105,7 +105,8 @@ def test_replay_prefill_cache_saves_prefill(llamacpp_engine, tmp_path):
     assert (on["cached_tokens"].iloc[1:].values >= stats["shared_prefix_tokens"].iloc[1:].values - 1).all()
     assert (on["prompt_n"].iloc[1:].values <= stats["new_tokens"].iloc[1:].values + 1).all()
     assert on["prompt_n"].iloc[1:].sum() < 0.5 * off["prompt_n"].iloc[1:].sum()
-    assert (tmp_path / "agent-replay-cache-3" / "manifest.json").is_file()
+    saved = sorted(tmp_path.glob("*_agent-replay-*/manifest.json"))
+    assert len(saved) == 2 and saved[1].parent.name.endswith("agent-replay-cache-3")
 
 
 @pytest.mark.slow

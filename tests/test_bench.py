@@ -279,6 +279,7 @@ def test_concurrency_against_llama_server(tmp_path):
     (["--pattern", "replay"], "replays the timing"),
     (["--concurrency-list", "1,x", "--pattern", "sweep"], "comma-separated"),
     (["--frobnicate"], "unrecognized arguments"),
+    (["--engine", "http", "--url", "http://127.0.0.1:1", "--roofline"], "--roofline needs"),
 ])
 def test_cli_rejects_bad_usage(argv, message, capsys):
     from infercourse.cli import bench_main

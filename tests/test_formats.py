@@ -20,7 +20,8 @@ from infercourse.models import embedded_gguf, file_sha256
 from infercourse.quality import plain_llama, token_nlls
 
 # Same weights in another container should score the same paragraph within rounding.
-# Measured here (236 tokens): Q4_1 3.5588, F16 3.5571, HF 3.5568, MLX 3.5568 nats/token,
+# Measured here (203 tokens): Q4_1 3.559-3.561 (two llama.cpp builds), F16 3.5571,
+# HF 3.5568, MLX 3.5568 nats/token,
 # and 3.6691 for MLX without rope_theta: the tolerance sits between the two effects.
 NLL_TOL = 0.01
 CHAT = [{"role": "user", "content": "Write two sentences about the sea."}]
@@ -123,7 +124,7 @@ def test_greedy_chat_text_matches_the_source(hf_dir, f16_path):
 def test_nll_agrees_across_formats(nlls):
     """Same tokens and the same mean NLL (within NLL_TOL nats/token) in every format."""
     ids_ref, nll_ref = nlls["Q4_1"]
-    assert len(ids_ref) > 60
+    assert len(ids_ref) > 150  # long enough for rope errors to accumulate
     means = {k: float(v[1].mean()) for k, v in nlls.items()}
     print("mean NLL (nats/token):", {k: round(v, 4) for k, v in means.items()})
     for name, (ids, nll) in nlls.items():

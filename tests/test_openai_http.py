@@ -195,7 +195,8 @@ def test_context_overflow_reply_is_a_context_error(standin):
 def llama():
     from infercourse.servers import LlamaServer
     try:
-        srv = LlamaServer(n_parallel=4, ctx_size=4096, threads=2)
+        # one thread: on a shared 2-core box, two spin-waiting threads stall each other
+        srv = LlamaServer(n_parallel=4, ctx_size=4096, threads=1)
     except BackendMissingError as exc:
         pytest.skip(f"llama-server not installed: {exc}")
     with srv:

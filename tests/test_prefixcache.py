@@ -77,7 +77,7 @@ def small_workload(n, header=lambda i: ""):
 
 @pytest.mark.slow
 def test_cold_warm_llamacpp(llamacpp_engine, tmp_path):
-    df = pc.cold_warm(llamacpp_engine, small_workload(3), out_dir=tmp_path)
+    df = pc.cold_warm(llamacpp_engine, small_workload(3), results_root=tmp_path)
     off, on = df[~df["cache_prompt"]], df[df["cache_prompt"]]
     assert (off["state"] == "cold").all() and (off["prompt_n"] == off["prompt_tokens"]).all()
     assert on["state"].tolist() == ["cold", "warm", "warm"]          # the 1st fills the cache
@@ -85,8 +85,8 @@ def test_cold_warm_llamacpp(llamacpp_engine, tmp_path):
     assert (on["cached_tokens"] + on["prompt_n"] == on["prompt_tokens"]).all()
     s = pc.cold_warm_summary(df)
     assert s.loc[(True, "warm"), "requests"] == 2 and s.loc[(False, "cold"), "requests"] == 3
-    assert (tmp_path / "prefix-cache" / "manifest.json").is_file()
+    assert len(list(tmp_path.glob("*_prefix-cache/manifest.json"))) == 1
     # a per-request timestamp on the first line: same engine, cache on, nothing useful reused
     ts = pc.cold_warm(llamacpp_engine, small_workload(2, lambda i: f"Time: 10:00:{i:02d}\n"),
-                      settings=(True,), label="ts", out_dir=tmp_path)
+                      settings=(True,), label="ts", results_root=tmp_path)
     assert (ts["state"] == "cold").all() and (ts["cached_tokens"] < 20).all()

@@ -33,12 +33,13 @@ def test_f16_file_holds_4bit_blocks():
     from infercourse.formats import f16_gguf
     from infercourse.models import embedded_gguf
     f16 = f16_gguf()
-    assert levels_per_block(f16, "blk.3.ffn_up.weight")["max"] <= 16
-    assert levels_per_block(f16, "token_embd.weight")["max"] > 16
+    lv = levels_per_block(f16, ["blk.3.ffn_up.weight", "token_embd.weight"])
+    assert lv["blk.3.ffn_up.weight"]["max"] <= 16
+    assert lv["token_embd.weight"]["max"] > 16
     with pytest.raises(ModelLayerError):
-        levels_per_block(embedded_gguf(), "blk.3.ffn_up.weight")  # stored as Q4_1
+        levels_per_block(embedded_gguf(), ["blk.3.ffn_up.weight"])  # stored as Q4_1
     with pytest.raises(ModelLayerError):
-        levels_per_block(f16, "no.such.tensor")
+        levels_per_block(f16, ["no.such.tensor"])
 
 
 @pytest.mark.slow
@@ -59,3 +60,16 @@ def test_measure_ladder_two_rungs():
     assert df.loc["F16", "perplexity"] == pytest.approx(df.loc["Q4_1 (original)", "perplexity"], rel=0.01)
     with pytest.raises(ModelLayerError):
         measure_ladder(paths, ["x"], reference="Q9")
+
+
+@pytest.mark.slow
+def test_ladder_table_agrees_with_the_gguf_reader():
+    """llama.cpp's loaded weight bytes equal the tensor bytes gguf-py reads from the file."""
+    from infercourse.modelcard import model_card
+    from infercourse.models import embedded_gguf
+    from infercourse.quantization import ladder_table
+    t = ladder_table({"orig": embedded_gguf()}, bandwidth_gbs=10.0).iloc[0]
+    card = model_card(embedded_gguf())
+    assert t.weight_bytes == card.tensor_bytes and t.file_type == "Q4_1"
+    assert t.bits_per_weight == pytest.approx(card.bits_per_weight)
+    assert t.decode_ceiling_tok_per_s == pytest.approx(10e9 / card.tensor_bytes)

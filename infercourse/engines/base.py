@@ -79,10 +79,13 @@ class Usage:
 
     `source` is "engine" (in-process tokenizer), "server" (HTTP usage block) or
     "client" (counted by infercourse from chunks); `cached_tokens` is None when the
-    engine does not report prompt-cache hits.
+    engine does not report prompt-cache hits, `prompt_tokens` None when a server sends
+    no usage at all. Like OpenAI-compatible servers, `completion_tokens` counts the
+    end-of-generation token when the model stopped by itself; that token is never shown
+    as text, so it rides on the final event (`n_tokens=1`, no text).
     """
 
-    prompt_tokens: int
+    prompt_tokens: int | None
     completion_tokens: int
     cached_tokens: int | None = None
     source: str = "engine"

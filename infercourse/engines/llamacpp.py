@@ -150,9 +150,10 @@ class LlamaCppEngine:
         timings = {"prompt_n": perf.n_p_eval, "prompt_ms": perf.t_p_eval_ms,
                    "predicted_n": perf.n_eval, "predicted_ms": perf.t_eval_ms,
                    "n_reused": perf.n_reused, "n_threads": self.n_threads}
-        usage = Usage(prompt_tokens=len(tokens), completion_tokens=len(generated),
+        eog = int(finish == "stop")  # the stop token was generated, counted like servers do
+        usage = Usage(prompt_tokens=len(tokens), completion_tokens=len(generated) + eog,
                       cached_tokens=max(0, len(tokens) - perf.n_p_eval), source="engine")
-        yield Event(t=time.perf_counter(), text=tail, done=True, usage=usage,
+        yield Event(t=time.perf_counter(), text=tail, n_tokens=eog, done=True, usage=usage,
                     finish_reason=finish, timings=timings)
 
     # -- prompt-cache state (what the prefix-cache lesson saves and restores) ------------

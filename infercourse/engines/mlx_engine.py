@@ -111,9 +111,10 @@ class MLXEngine:
         if resp is not None:
             timings = {"prompt_tps": resp.prompt_tps, "generation_tps": resp.generation_tps,
                        "peak_memory_gb": resp.peak_memory}
-        usage = Usage(prompt_tokens=len(tokens), completion_tokens=len(generated),
+        eog = int(finish == "stop")  # the stop token was generated, counted like servers do
+        usage = Usage(prompt_tokens=len(tokens), completion_tokens=len(generated) + eog,
                       cached_tokens=cached, source="engine")
-        yield Event(t=time.perf_counter(), done=True, usage=usage, finish_reason=finish,
+        yield Event(t=time.perf_counter(), n_tokens=eog, done=True, usage=usage, finish_reason=finish,
                     timings=timings)
 
     def describe(self) -> dict[str, Any]:

@@ -148,9 +148,10 @@ class TransformersEngine:
         worker.join()
         if errors:
             raise RuntimeLayerError(f"transformers generate failed: {errors[0]}") from errors[0]
-        usage = Usage(prompt_tokens=len(ids), completion_tokens=len(generated),
+        eog = int(finish == "stop")  # the stop token was generated, counted like servers do
+        usage = Usage(prompt_tokens=len(ids), completion_tokens=len(generated) + eog,
                       cached_tokens=0, source="engine")
-        yield Event(t=time.perf_counter(), done=True, usage=usage, finish_reason=finish,
+        yield Event(t=time.perf_counter(), n_tokens=eog, done=True, usage=usage, finish_reason=finish,
                     timings={"use_cache": self.use_cache, "assistant": self.flags["assistant"]})
 
     def describe(self) -> dict[str, Any]:
