@@ -19,8 +19,11 @@ def test_committed_clean_with_the_house_arc(path):
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert not any(c.get("outputs") or c.get("execution_count") for c in code), "outputs committed"
     assert "parameters" in code[0]["metadata"].get("tags", []), "first code cell must be the parameters cell"
-    md = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
-    for heading in ("**Question.**", "## Predict", "## Measure", "## Summary", "## Exercises"):
+    md_cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    title = md_cells[0].splitlines()[0]
+    assert title.startswith("# ") and "?" in title, "the title cell states the question"
+    md = "\n".join(md_cells)
+    for heading in ("## Predict", "## Measure", "## Summary", "## Exercises"):
         assert heading in md, f"missing {heading}"
     assert any("check(" in "".join(c["source"]) for c in code), "exercises need self-check cells"
     assert (path.parent / "solutions" / f"{path.stem}.md").is_file(), "instructor solutions missing"
