@@ -200,7 +200,7 @@ def _loop_in_thread(make_coro) -> bool:
     """Run a coroutine on a fresh event loop in a worker thread; returns True if the user
     interrupted. A KeyboardInterrupt in the main thread (Ctrl-C, Jupyter's stop button)
     cancels the task, which then stops cleanly."""
-    loop, box = asyncio.new_event_loop(), {}
+    loop, box, finished = asyncio.new_event_loop(), {}, threading.Event()
 
     def target():
         try:
@@ -211,16 +211,23 @@ def _loop_in_thread(make_coro) -> bool:
         finally:  # finalise streams left open (an SSE reader stopped at [DONE]) before closing
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
+            finished.set()
 
     th, interrupted = threading.Thread(target=target, name="infercourse-bench", daemon=True), False
     th.start()
-    while th.is_alive():
+    # Wait on an Event, not on th.join(): a KeyboardInterrupt landing inside join() can
+    # leave CPython's thread marked stopped while it still runs (and still writes results).
+    while not finished.is_set():
         try:
-            th.join(0.1)
+            finished.wait(0.1)
         except KeyboardInterrupt:
             interrupted = True
-            if "task" in box and not loop.is_closed():
-                loop.call_soon_threadsafe(box["task"].cancel)
+            if "task" in box:
+                try:
+                    loop.call_soon_threadsafe(box["task"].cancel)
+                except RuntimeError:  # the loop closed meanwhile: nothing left to cancel
+                    pass
+    th.join()
     if "error" in box and not isinstance(box["error"], asyncio.CancelledError):
         raise box["error"]
     return interrupted
