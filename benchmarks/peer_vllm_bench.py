@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-logprobs", action="store_true",
+                    help="count tokens per chunk from deltas instead of asking the server for logprobs")
     a = ap.parse_args()
     vllm = vllm_env_dir() / "bin" / "vllm"
     if not vllm.exists():
@@ -43,7 +45,7 @@ def main() -> None:
             for p in prompts]
     out = Path(tempfile.mkdtemp(prefix="peer-"))
     with LlamaServer(n_parallel=1, ctx_size=2048, threads=a.threads) as server:
-        ours = bench.run(server.engine(api="completions"), reqs, pattern="sequential",
+        ours = bench.run(server.engine(api="completions", logprobs=not a.no_logprobs), reqs, pattern="sequential",
                          warmup=1, out_dir=out / "infercourse", progress=False)
         subprocess.run([str(vllm), "bench", "serve", "--backend", "openai",
                         "--base-url", server.url, "--endpoint", "/v1/completions",
