@@ -179,3 +179,21 @@ def layer_overheads(df: pd.DataFrame) -> pd.DataFrame:
     med = df.groupby("layer", sort=False)[["ttft_s", "decode_tok_per_s", "e2e_s"]].median()
     med["ttft_added_ms"] = 1000 * (med["ttft_s"] - med["ttft_s"].iloc[0])
     return med
+
+
+def explain_layers(df: pd.DataFrame) -> str:
+    """The Explain sentence for `through_layers`, computed: what the server and API layers
+    added to median TTFT, compared with the runtime's own run-to-run spread (so a
+    difference smaller than the noise is called that, not a speed-up or a cost)."""
+    med = layer_overheads(df)
+    runtime, served = med.index[0], med.index[-1]
+    added_ms = float(med.loc[served, "ttft_added_ms"])
+    base = df[df["layer"] == runtime]["ttft_s"]
+    spread_ms = 1000 * float(base.max() - base.min())
+    verdict = (f"adds **{added_ms:.1f} ms**" if abs(added_ms) > spread_ms else
+               f"adds no cost we can separate from noise here ({added_ms:+.1f} ms, while the "
+               f"runtime's own TTFT varied by {spread_ms:.1f} ms between repeats)")
+    return (f"Going through the server and API {verdict} to the median time to first token "
+            f"(runtime alone: {1000 * med.loc[runtime, 'ttft_s']:.0f} ms). Decode speed: "
+            f"{med.loc[runtime, 'decode_tok_per_s']:.0f} tok/s in process vs "
+            f"{med.loc[served, 'decode_tok_per_s']:.0f} tok/s through the server.")
