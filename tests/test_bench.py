@@ -228,8 +228,19 @@ def test_killed_server_keeps_finished_requests(tmp_path):
     assert run.manifest["status"].startswith("error: server stopped answering")
 
 
+@pytest.fixture
+def python_sigint_handler():
+    """A shell that starts us in the background (as CI may) leaves SIGINT ignored, and then
+    `interrupt_main()` does nothing. A terminal or a Jupyter kernel has Python's handler:
+    install it for the test, restore what was there after."""
+    import signal
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, prev)
+
+
 @pytest.mark.slow
-def test_ctrl_c_async_keeps_finished_requests(source, tmp_path):
+def test_ctrl_c_async_keeps_finished_requests(source, tmp_path, python_sigint_handler):
     # The run is bounded far beyond the interrupt (30 s, 100k requests) so that on a fast,
     # quiet machine it cannot finish before the Ctrl-C lands at 0.8 s.
     threading.Timer(0.8, _thread.interrupt_main).start()
