@@ -26,7 +26,8 @@ import numpy as np
 
 __all__ = ["probe", "memory_bandwidth_gbs", "matmul_gflops", "kv_bytes_per_token",
            "bytes_per_decoded_token", "decode_ceiling_tok_per_s", "prefill_ceiling_tok_per_s",
-           "mbu", "ceilings", "SSESource", "chunks_per_second"]
+           "mbu", "arithmetic_intensity", "balance_tokens", "ceilings", "SSESource",
+           "chunks_per_second"]
 
 
 def _best_time(fn: Callable[[], Any], *, repeats: int, budget_s: float) -> float:
@@ -164,6 +165,18 @@ def prefill_ceiling_tok_per_s(gflops: float, card: Any) -> float:
 def mbu(decode_tok_per_s: float, bandwidth_gbs: float, card: Any, context: int = 0, **kw: Any) -> float:
     """Model bandwidth utilisation: measured decode tok/s / the bandwidth ceiling (0..1)."""
     return decode_tok_per_s / decode_ceiling_tok_per_s(bandwidth_gbs, card, context, **kw)
+
+
+def arithmetic_intensity(card: Any, n_tokens: int) -> float:
+    """FLOPs per byte of weights read when `n_tokens` tokens share one pass over the weights:
+    2 x params x n / weight bytes (1 token = decode; n = a prefill of n tokens)."""
+    return 2 * _params(card) * n_tokens / _weight_bytes(card)
+
+
+def balance_tokens(card: Any, gflops: float, bandwidth_gbs: float) -> float:
+    """Tokens per pass at which arithmetic intensity reaches the machine's balance point
+    (FLOP/s / bytes/s): below it a pass waits on memory, above it on arithmetic."""
+    return (gflops / bandwidth_gbs) / arithmetic_intensity(card, 1)
 
 
 def ceilings(card: Any, machine: dict[str, Any], contexts: tuple[int, ...] = (0, 512, 2048)) -> dict[str, Any]:

@@ -25,6 +25,8 @@ import pandas as pd
 from . import bench, metrics, roofline
 from .engines.base import Request
 from .errors import EngineLayerError
+# roofline ideas, re-exported: the prefill lesson reaches them as sweeps.* too
+from .roofline import arithmetic_intensity, balance_tokens  # noqa: F401
 from .workloads import exact_length_prompt
 
 __all__ = ["length_requests", "prefill_sweep", "timeline", "measure_ceilings",
@@ -137,15 +139,3 @@ def measure_ceilings(n_threads: int = 1, *, size_mb: int = 128, matmul_n: int = 
         torch.set_num_threads(before)
     return {"bandwidth_gbs": bw["read_gbs"], "gflops": gflops, "threads": n_threads,
             "gflops_source": f"torch float32 matmul, {n_threads} thread(s)"}
-
-
-def arithmetic_intensity(card: Any, n_tokens: int) -> float:
-    """FLOPs per byte of weights read when `n_tokens` tokens share one pass over the weights:
-    2 x params x n / weight bytes (1 token = decode; n = a prefill of n tokens)."""
-    return 2 * roofline._params(card) * n_tokens / roofline._weight_bytes(card)
-
-
-def balance_tokens(card: Any, gflops: float, bandwidth_gbs: float) -> float:
-    """Tokens per pass at which arithmetic intensity reaches the machine's balance point
-    (FLOP/s / bytes/s): below it a pass waits on memory, above it on arithmetic."""
-    return (gflops / bandwidth_gbs) / arithmetic_intensity(card, 1)
