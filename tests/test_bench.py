@@ -96,7 +96,9 @@ def test_replay_offsets_respected(tmp_path):
                      out_dir=tmp_path / "run", progress=False)
     t0 = r.traces[0].scheduled_t
     assert [round(t.scheduled_t - t0, 6) for t in r.traces] == offsets
-    assert all(0 <= t.sent_t - t.scheduled_t < 0.03 for t in r.traces)
+    # never sent early (how late depends on how fast and how busy this machine is)
+    assert all(t.sent_t >= t.scheduled_t for t in r.traces)
+    assert [t.request_id for t in sorted(r.traces, key=lambda t: t.sent_t)] == [0, 1, 2, 3]
 
 
 def test_ctrl_c_in_process_keeps_finished(tmp_path):
@@ -197,7 +199,8 @@ def test_open_loop_hits_target_rate(source, tmp_path, pattern):
                 lambda n, rate: bench.poisson_schedule(n, rate, seed=3))(30, 20.0)
     assert np.allclose(sched - sched[0], expected)
     delays = np.array([t.sent_t - t.scheduled_t for t in r.traces])
-    assert np.all(delays >= 0) and np.percentile(delays, 95) < 0.03
+    # never early, and late by less than one inter-arrival gap (else the loop is not open)
+    assert np.all(delays >= 0) and np.percentile(delays, 95) < 1 / 20.0
     sent = np.sort([t.sent_t for t in r.traces])
     if pattern == "rate":
         assert 29 / (sent[-1] - sent[0]) == pytest.approx(20.0, rel=0.1)
@@ -257,7 +260,11 @@ def test_chunks_per_second_probe():
     pytest.importorskip("httpx_sse")
     got = roofline.chunks_per_second(n_chunks=3000, n_requests=2)
     assert got["chunks"] == 3000
-    assert got["chunks_per_s"] > 500 and 0 < got["cpu_s_per_chunk"] < 0.01
+    # No speed bound holds on every machine; the probe's own arithmetic does.
+    assert got["chunks_per_s"] > 0 and got["cpu_s_per_chunk"] > 0
+    assert got["client_ceiling_chunks_per_s"] == pytest.approx(1 / got["cpu_s_per_chunk"])
+    assert got["client_cpu_frac"] == pytest.approx(got["chunks_per_s"] * got["cpu_s_per_chunk"])
+    assert got["client_cpu_frac"] <= 1.05     # one thread's CPU time cannot outrun the wall clock
 
 
 # -- the real thing ---------------------------------------------------------------------------

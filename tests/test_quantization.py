@@ -55,7 +55,13 @@ def test_measure_ladder_two_rungs():
     assert df.loc["Q8_0", "file_bytes"] < 0.7 * df.loc["F16", "file_bytes"]
     assert 15 < df.loc["F16", "bits_per_weight"] < 17 and 8 < df.loc["Q8_0", "bits_per_weight"] < 9
     assert (df["rss_delta_bytes"] > 0).all() and (df["decode_tok_per_s"] > 0).all()
-    assert (df["mbu"] > 0).all() and (df["mbu"] < 1.5).all()
+    # MBU is the measured speed over the ceiling that the *given* bandwidth implies; no bound
+    # on its size holds on every machine (a fast one beats any fixed bandwidth), so check its
+    # definition against the bytes each rung reads, which the file fixes.
+    assert df["mbu"].to_numpy() == pytest.approx(
+        (df["decode_tok_per_s"] / df["decode_ceiling_tok_per_s"]).to_numpy())
+    assert (df["decode_ceiling_tok_per_s"] * df["weight_bytes"] < 10e9).all()   # KV adds bytes
+    assert df.loc["F16", "decode_ceiling_tok_per_s"] < df.loc["Q8_0", "decode_ceiling_tok_per_s"]
     # F16 holds exactly Q4_1's weights (rounded to fp16): same perplexity within 1 %
     assert df.loc["F16", "perplexity"] == pytest.approx(df.loc["Q4_1 (original)", "perplexity"], rel=0.01)
     with pytest.raises(ModelLayerError):

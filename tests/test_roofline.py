@@ -42,10 +42,20 @@ def test_bad_backend_is_rejected():
         rl.matmul_gflops(64, backend="fortran")
 
 
+def test_bandwidth_units(monkeypatch):
+    """bytes / seconds / 1e9: a 64 MiB array read in 1 s is 0.067 GB/s; a copy moves it twice."""
+    monkeypatch.setattr(rl, "_best_time", lambda fn, **kw: (fn(), 1.0)[1])
+    bw = rl.memory_bandwidth_gbs(64, threads=2)
+    assert bw["read_gbs"] == pytest.approx(64 * 2**20 / 1e9)
+    assert bw["copy_gbs"] == pytest.approx(2 * 64 * 2**20 / 1e9)
+    monkeypatch.setattr(rl, "_best_time", lambda fn, **kw: (fn(), 0.5)[1])
+    assert rl.matmul_gflops(64) == pytest.approx(2 * 64**3 / 0.5 / 1e9)
+
+
 @pytest.mark.slow
-def test_probe_positive_finite_and_repeatable():
-    a, b = rl.probe(quick=True), rl.probe(quick=True)
-    for key in ("read_gbs_1t", "copy_gbs_1t", "matmul_gflops_f32", "bandwidth_gbs"):
+def test_probe_positive_finite_and_consistent():
+    a = rl.probe(quick=True, threads=2)
+    for key in ("read_gbs_1t", "copy_gbs_1t", "read_gbs_mt", "matmul_gflops_f32", "bandwidth_gbs"):
         assert math.isfinite(a[key]) and a[key] > 0, key
-        # other jobs share these cores: only a loose ratio is a fair expectation
-        assert 1 / 3 < a[key] / b[key] < 3, (key, a[key], b[key])
+    # the ceiling used downstream is the best read probe, whatever this machine's speed
+    assert a["bandwidth_gbs"] == max(a["read_gbs_1t"], a["read_gbs_mt"])
