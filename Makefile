@@ -36,11 +36,11 @@ $(STAMP): pyproject.toml
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install torch; \
 	  else $(BIN)/python -m pip install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); fi
 	$(BIN)/python -m pip install -e ".[all]"
-	$(BIN)/python -m infercourse.formats
+	$(BIN)/python -m infercourse.models.formats
 	touch $@
 
 formats: $(STAMP)
-	$(BIN)/python -m infercourse.formats
+	$(BIN)/python -m infercourse.models.formats
 
 doctor: $(STAMP)
 	$(BIN)/python -m infercourse doctor env
@@ -49,6 +49,8 @@ course: $(STAMP)
 	$(BIN)/python -m infercourse course --out build
 
 test: $(STAMP)
+	@# the package's layers (contracts in pyproject.toml), then the suite
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -rs
 
 lab: $(STAMP)

@@ -17,13 +17,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from infercourse import Request, bench, metrics
-from infercourse._vllm_env import vllm_env_dir
+from infercourse import Request
+from infercourse.measure import bench
+from infercourse.core import summary
+from infercourse.servers.vllm import vllm_env_dir
 from infercourse.engines.llamacpp import LlamaCppEngine
-from infercourse.formats import hf_folder
-from infercourse.importers import load_vllm_bench
+from infercourse.models.formats import hf_folder
+from infercourse.measure.importers import load_vllm_bench
 from infercourse.servers import LlamaServer
-from infercourse.workloads import exact_length_prompt
+from infercourse.measure.workloads import exact_length_prompt
 
 
 def main() -> None:
@@ -60,7 +62,7 @@ def main() -> None:
     rows = {
         "infercourse": {"ttft_p50_ms": 1e3 * ours.df["ttft_s"].median(),
                         "tpot_p50_ms": 1e3 * ours.df["tpot_s"].median(),
-                        "output_tok_per_s": metrics.throughput(ours.df)["output_tok_per_s"]},
+                        "output_tok_per_s": summary.throughput(ours.df)["output_tok_per_s"]},
         "vllm bench serve": {"ttft_p50_ms": 1e3 * theirs["ttft_from_send_s"].median(),
                              "tpot_p50_ms": 1e3 * theirs["tpot_s"].median(),
                              "output_tok_per_s": vres["output_throughput"]},

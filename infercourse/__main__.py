@@ -25,20 +25,20 @@ def main(argv: list[str] | None = None) -> int:
         if rest not in ([], ["env"]):
             print("usage: infercourse doctor env", file=sys.stderr)
             return 2
-        from .doctor import print_report
+        from infercourse.ops.doctor import print_report
         print_report()
         return 0
     if cmd == "bench":
-        from .cli import bench_main
+        from infercourse.cli import bench_main
         return bench_main(rest)
     if cmd == "report":
-        from .cli import report_main
+        from infercourse.cli import report_main
         return report_main(rest)
     if cmd == "course":
-        from .course import course_main
+        from infercourse.course import course_main
         return course_main(rest)
     if cmd == "formats":
-        from .formats import main as formats_main
+        from infercourse.models.formats import main as formats_main
         return formats_main(rest) or 0
     print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -102,18 +102,19 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 
 def _tokenizer(engine):
+    from infercourse.measure.workloads import local_tokenizer
     if hasattr(engine, "tokenize"):
-        return engine.tokenize
+        return local_tokenizer(engine)
     import llama_cpp  # a served model: count with the embedded model's tokenizer (vocab only)
 
-    from .models import embedded_gguf
+    from infercourse.models.embedded import embedded_gguf
     vocab = llama_cpp.Llama(model_path=str(embedded_gguf()), vocab_only=True, verbose=False)
     return lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
 
 
 def _workload(a: argparse.Namespace, engine):
-    from . import workloads as wl
-    from .engines.base import Request
+    from infercourse.measure import workloads as wl
+    from infercourse.core.types import Request
     if a.workload == "agentic":
         return wl.agentic_workload()
     if a.workload.startswith("shared-prefix"):
@@ -128,11 +129,11 @@ def _workload(a: argparse.Namespace, engine):
 
 
 def _print_summary(r) -> None:
-    from . import metrics
+    from infercourse.core import summary
     out = sys.stdout  # looked up at call time: notebooks and tests swap it
     cols = [c for c in ("count", "p50", "p95", "p99", "max") if c in r.summary]
     print(r.summary[cols].to_string(float_format=lambda v: f"{v:.4g}"), file=out)
-    t = metrics.throughput(r.df)
+    t = summary.throughput(r.df)
     print(f"\n{t['completed']}/{t['requests']} ok, {t['requests_per_s']:.3g} req/s, "
           f"{t['output_tok_per_s']:.4g} output tok/s over {t['wall_s']:.3g} s", file=out)
     for w in r.warnings:
@@ -145,14 +146,14 @@ def bench_main(argv: list[str] | None = None) -> int:
     p = bench_parser()
     a = p.parse_args(argv)
     _check(p, a)
-    from . import bench
-    from .errors import InferCourseError
+    from infercourse.measure import bench
+    from infercourse.core.errors import InferCourseError
     try:
         if a.engine == "http":
-            from .engines.openai_http import OpenAIHTTPEngine
+            from infercourse.engines.openai_http import OpenAIHTTPEngine
             engine = OpenAIHTTPEngine(a.url, model=a.model, api=a.api)
         else:
-            from .engines.llamacpp import LlamaCppEngine
+            from infercourse.engines.llamacpp import LlamaCppEngine
             engine = LlamaCppEngine(a.model, n_ctx=a.n_ctx, n_threads=a.threads, seed=a.seed)
         work = _workload(a, engine)
         kw = dict(seed=a.seed, warmup=a.warmup, max_duration_s=a.duration, out_dir=a.out, label=a.label,
@@ -174,8 +175,8 @@ def bench_main(argv: list[str] | None = None) -> int:
 
 
 def _print_roofline(engine, r) -> None:
-    from . import roofline
-    from .modelcard import model_card
+    from infercourse.measure import roofline
+    from infercourse.models.modelcard import model_card
     card, machine = model_card(engine.model.path), roofline.probe()
     ctx = float(r.df["prompt_tokens"].median())
     ceiling = roofline.decode_ceiling_tok_per_s(machine["bandwidth_gbs"], card, int(ctx))
@@ -200,7 +201,7 @@ def report_main(argv: list[str] | None = None) -> int:
         p.error(f"not a results folder (no manifest.json): {', '.join(missing)}")
     import pandas as pd
 
-    from . import results
+    from infercourse.measure import results
     runs = [results.load_run(d) for d in a.dirs]
     metric_names = a.metric or ("ttft_s", "tpot_s", "e2e_s", "decode_tok_per_s")
     table = results.compare(runs, metric_names)
@@ -217,7 +218,7 @@ def report_main(argv: list[str] | None = None) -> int:
     if a.plot:
         import matplotlib
         matplotlib.use("Agg")
-        from . import plots
+        from infercourse.measure import plots
         df = pd.concat([r.df.assign(run=r.label) for r in runs], ignore_index=True)
         plots.latency_cdf(df, a.plot_metric, by="run").figure.savefig(a.plot, dpi=120, bbox_inches="tight")
         print(f"plot: {a.plot}")

@@ -3,7 +3,7 @@
 `make course` and the notebook tests both call `run_notebook`, so CI executes exactly
 what a learner executes. Notebooks are committed without outputs; the executed copies
 land in `build/notebooks/`, HTML renderings in `build/html/`, and whatever the notebooks
-save through `infercourse.results` in `build/results/<notebook>/` (the kernel gets
+save through `infercourse.measure.results` in `build/results/<notebook>/` (the kernel gets
 `INFERCOURSE_RESULTS` in its environment).
 """
 from __future__ import annotations

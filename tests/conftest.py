@@ -23,7 +23,7 @@ def transformers_engine():
 
 @pytest.fixture(scope="session")
 def mlx_engine():
-    from infercourse.errors import BackendMissingError
+    from infercourse.core.errors import BackendMissingError
     from infercourse.engines.mlx_engine import MLXEngine
     try:
         return MLXEngine()

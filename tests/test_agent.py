@@ -4,8 +4,9 @@ import re
 
 import pytest
 
-from infercourse import agent
-from infercourse.workloads import DATA_DIR
+from infercourse.lessons import agent
+from infercourse.measure import workloads as wl
+from infercourse.measure.workloads import DATA_DIR
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +24,10 @@ def fake_prompt_tokens(req):
 
 
 def test_common_prefix_len():
-    assert agent.common_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert agent.common_prefix_len([], [1]) == 0
-    assert agent.common_prefix_len([1, 2], [1, 2, 3]) == 2
-    assert agent.common_prefix_len([9], [1]) == 0
+    assert wl.common_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert wl.common_prefix_len([], [1]) == 0
+    assert wl.common_prefix_len([1, 2], [1, 2, 3]) == 2
+    assert wl.common_prefix_len([9], [1]) == 0
 
 
 def test_session_stats_counts_repeats(session):

@@ -1,6 +1,6 @@
 """Load patterns: schedules, rates, concurrency, warm-up, interrupts and dead servers.
 
-Timing-exact pattern tests run against `roofline.SSESource`, a loopback OpenAI-style server
+Timing-exact pattern tests run against `SSESource`, a loopback OpenAI-style server
 with known per-request timing; one test runs the same path against llama.cpp's llama-server.
 """
 import _thread
@@ -12,10 +12,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from infercourse import bench, roofline
-from infercourse.engines.base import Event, Request, Usage
-from infercourse.errors import APILayerError, EngineLayerError, ServerLayerError
-from infercourse.results import load_run
+from infercourse.measure import bench
+from infercourse.measure import roofline
+from infercourse.core.types import Event, Request, Usage
+from infercourse.core.errors import APILayerError, EngineLayerError, ServerLayerError
+from infercourse.measure.results import load_run
+from infercourse.testing import SSESource
 
 REQ = Request(prompt="hello", max_tokens=10)
 
@@ -118,7 +120,7 @@ def test_max_duration_bounds_the_run(tmp_path):
 
 
 def test_engine_error_becomes_error_trace_and_run_goes_on(tmp_path):
-    from infercourse.errors import ContextLayerError
+    from infercourse.core.errors import ContextLayerError
 
     class Picky(FakeEngine):
         def stream(self, request):
@@ -164,7 +166,7 @@ def test_remote_server_refused():
 @pytest.fixture
 def source():
     pytest.importorskip("httpx_sse")
-    with roofline.SSESource(ttft_s=0.05, gap_s=0.01) as src:    # ~0.15 s per 10-token request
+    with SSESource(ttft_s=0.05, gap_s=0.01) as src:    # ~0.15 s per 10-token request
         yield src
 
 
@@ -210,7 +212,7 @@ def test_open_loop_hits_target_rate(source, tmp_path, pattern):
 @pytest.mark.slow
 def test_killed_server_keeps_finished_requests(tmp_path):
     pytest.importorskip("httpx_sse")
-    src = roofline.SSESource(ttft_s=0.0, gap_s=0.02)                  # 0.6 s per 30-token request
+    src = SSESource(ttft_s=0.0, gap_s=0.02)                  # 0.6 s per 30-token request
     with src:
         threading.Timer(1.5, src.stop).start()
         with pytest.raises(ServerLayerError, match="stopped answering mid-run") as ei:
@@ -271,7 +273,7 @@ def test_chunks_per_second_probe():
 @pytest.mark.slow
 def test_concurrency_against_llama_server(tmp_path):
     pytest.importorskip("httpx_sse")
-    from infercourse.errors import BackendMissingError
+    from infercourse.core.errors import BackendMissingError
     from infercourse.servers import LlamaServer
     try:
         srv = LlamaServer(n_parallel=2, ctx_size=2048, threads=1)

@@ -9,8 +9,12 @@ import pytest
 
 from infercourse import Request, generate
 from infercourse.engines import engine_class, make_engine
-from infercourse.errors import (BackendMissingError, ContextLayerError, InferCourseError,
-                                ModelLayerError)
+from infercourse.core.errors import (
+    BackendMissingError,
+    ContextLayerError,
+    InferCourseError,
+    ModelLayerError,
+)
 
 CHAT = [{"role": "user", "content": "Name three primary colors."}]
 
@@ -109,7 +113,7 @@ def test_bad_model_inputs_name_the_model_layer(tmp_path):
     with pytest.raises(ModelLayerError, match="not a GGUF"):
         LlamaCppEngine(fake)
     truncated = tmp_path / "trunc.gguf"
-    from infercourse.models import embedded_gguf
+    from infercourse.models.embedded import embedded_gguf
     truncated.write_bytes(embedded_gguf().read_bytes()[:1_000_000])
     with pytest.raises(ModelLayerError, match="corrupt"):
         LlamaCppEngine(truncated)

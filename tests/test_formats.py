@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from infercourse import formats
-from infercourse.errors import ModelLayerError, RuntimeLayerError
-from infercourse.modelcard import model_card
-from infercourse.models import embedded_gguf, file_sha256
-from infercourse.quality import plain_llama, token_nlls
+from infercourse.models import formats
+from infercourse.core.errors import ModelLayerError, RuntimeLayerError
+from infercourse.models.modelcard import model_card
+from infercourse.models.embedded import embedded_gguf, file_sha256
+from infercourse.models.quality import token_nlls
 
 # Same weights in another container should score the same paragraph within rounding.
 # Measured here (203 tokens): Q4_1 3.559-3.561 (two llama.cpp builds), F16 3.5571,
@@ -85,7 +85,8 @@ def test_manifest_records_provenance(hf_dir, f16_path):
 
 
 def _greedy_gguf(path) -> str:
-    llm = plain_llama(path, n_ctx=512, n_threads=2)
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=str(path), verbose=False, n_ctx=512, n_threads=2)
     try:
         out = llm.create_chat_completion(CHAT, temperature=0.0, max_tokens=N_GEN, seed=0)
         return out["choices"][0]["message"]["content"]

@@ -2,7 +2,7 @@
 llama.cpp's measured KV bytes per token match the model card's formula."""
 import pytest
 
-from infercourse import kvcache
+from infercourse.lessons import kvcache
 
 
 def _tiny_model(seed=0):
@@ -26,11 +26,6 @@ def test_naive_and_cached_loops_give_the_same_greedy_tokens_as_generate(seed):
                              do_sample=False, min_new_tokens=20, pad_token_id=0)[0, 12:].tolist()
     assert naive == cached == ref
     assert len(set(naive)) > 1   # a degenerate constant output would make equality trivial
-
-
-def test_timed_stamps_each_token_in_order():
-    ids, ts = kvcache.timed(iter([5, 7, 9]))
-    assert ids == [5, 7, 9] and len(ts) == 3 and ts == sorted(ts)
 
 
 def test_tokens_processed_quadratic_vs_linear():
@@ -75,7 +70,7 @@ def test_loops_match_on_the_embedded_model(transformers_engine):
 
 @pytest.mark.slow
 def test_llamacpp_state_growth_matches_the_card(llamacpp_engine):
-    from infercourse.modelcard import model_card
+    from infercourse.models.modelcard import model_card
     card = model_card(llamacpp_engine.model.path)
     m = kvcache.state_kv_bytes_per_token(llamacpp_engine, (16, 144))
     predicted = card.kv_bytes_per_token(2)     # llama.cpp's default K and V type is f16
@@ -86,13 +81,13 @@ def test_llamacpp_state_growth_matches_the_card(llamacpp_engine):
 
 @pytest.mark.slow
 def test_state_measure_rejects_lengths_past_the_context(llamacpp_engine):
-    from infercourse.errors import ContextLayerError
+    from infercourse.core.errors import ContextLayerError
     with pytest.raises(ContextLayerError):
         kvcache.state_kv_bytes_per_token(llamacpp_engine, (16, 10**6))
 
 
 def test_run_loops_rows_agreement_and_saved_run(tmp_path):
-    from infercourse.results import load_run
+    from infercourse.measure.results import load_run
     model, torch = _tiny_model(0)
     ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
     df = kvcache.run_loops(model, ids, 6, results_root=tmp_path)

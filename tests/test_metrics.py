@@ -5,9 +5,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from infercourse import metrics as M
-from infercourse.engines.base import Event, Usage
-from infercourse.trace import RequestTrace, trace_from_events
+from infercourse.core import metrics as M
+from infercourse.core import reconcile as R
+from infercourse.core import summary as S
+from infercourse.core.types import Event, Usage
+from infercourse.core.trace import RequestTrace, trace_from_events
 
 
 def multi_chunk():
@@ -90,22 +92,22 @@ def test_per_request_frame_and_itl_frame():
     itl = M.itl_frame(trs)
     assert len(itl) == 2 + 1 + 1                                   # gaps per request
     assert itl[itl.request_id == 1]["tokens"].tolist() == [2, 3]
-    pooled = M.summarize(itl, ["itl_s"]).loc["itl_s"]          # errored request's gap dropped
+    pooled = S.summarize(itl, ["itl_s"]).loc["itl_s"]          # errored request's gap dropped
     assert pooled["count"] == 3 and pooled["max"] == pytest.approx(0.5)
-    assert M.error_rate(df) == pytest.approx(0.25)
+    assert S.error_rate(df) == pytest.approx(0.25)
     assert list(df.columns[:len(M.FRAME_COLUMNS)]) == M.FRAME_COLUMNS
 
 
 def test_empty_run_has_columns_and_no_crash():
     df = M.per_request_frame([])
     assert list(df.columns) == M.FRAME_COLUMNS and len(df) == 0
-    assert M.throughput(df)["completed"] == 0 and math.isnan(M.error_rate(df))
-    assert M.goodput(df, {"ttft_s": 1.0})["n_good"] == 0
+    assert S.throughput(df)["completed"] == 0 and math.isnan(S.error_rate(df))
+    assert S.goodput(df, {"ttft_s": 1.0})["n_good"] == 0
 
 
 def test_throughput_over_wall_window():
     df = M.per_request_frame([multi_chunk(), empty_first(), errored()])
-    tp = M.throughput(df)
+    tp = S.throughput(df)
     assert tp["wall_s"] == pytest.approx(11.7 - 0.0)               # first scheduled -> last end
     assert tp["completed"] == 2
     assert tp["output_tok_per_s"] == pytest.approx((6 + 2) / 11.7)  # errored tokens don't count
@@ -116,50 +118,50 @@ def test_summarize_bootstrap_contains_truth_and_is_seeded():
     rng = np.random.default_rng(1)
     x = rng.exponential(1.0, 4000)
     df = pd.DataFrame({"status": "ok", "ttft_s": x})
-    s = M.summarize(df, ["ttft_s"], seed=7)
+    s = S.summarize(df, ["ttft_s"], seed=7)
     row = s.loc["ttft_s"]
     for p, true in [(50, math.log(2)), (90, math.log(10)), (99, math.log(100))]:
         assert row[f"p{p}_lo"] <= true <= row[f"p{p}_hi"], p
         assert row[f"p{p}_lo"] < row[f"p{p}"] < row[f"p{p}_hi"]
     assert row["count"] == 4000 and row["min"] == x.min() and row["max"] == x.max()
-    pd.testing.assert_frame_equal(s, M.summarize(df, ["ttft_s"], seed=7))
-    assert M.summarize(df, ["ttft_s"], seed=8).loc["ttft_s", "p99_lo"] != row["p99_lo"]
+    pd.testing.assert_frame_equal(s, S.summarize(df, ["ttft_s"], seed=7))
+    assert S.summarize(df, ["ttft_s"], seed=8).loc["ttft_s", "p99_lo"] != row["p99_lo"]
 
 
 def test_bootstrap_on_long_series():
     # a long ITL-like series is resampled in batches (bounded memory) and still brackets
     # the true median tightly
     x = np.random.default_rng(3).exponential(1.0, 50_000)
-    s = M.summarize(pd.DataFrame({"status": "ok", "itl_s": x}), ["itl_s"], n_boot=200)
+    s = S.summarize(pd.DataFrame({"status": "ok", "itl_s": x}), ["itl_s"], n_boot=200)
     assert s.loc["itl_s", "p50_lo"] <= math.log(2) <= s.loc["itl_s", "p50_hi"]
     assert s.loc["itl_s", "p50_hi"] - s.loc["itl_s", "p50_lo"] < 0.05
 
 
 def test_summarize_drops_errors():
     df = M.per_request_frame([multi_chunk(), errored()])
-    assert M.summarize(df, ["ttft_s"]).loc["ttft_s", "count"] == 1
-    assert M.summarize(df, ["ttft_s"], ok_only=False).loc["ttft_s", "count"] == 2
+    assert S.summarize(df, ["ttft_s"]).loc["ttft_s", "count"] == 1
+    assert S.summarize(df, ["ttft_s"], ok_only=False).loc["ttft_s", "count"] == 2
 
 
 def test_goodput_all_slos_must_hold():
     df = M.per_request_frame([multi_chunk(), empty_first(), errored(), zero_output()])
     # ttft: 1.0, 1.5, (error), None(zero output fails ttft); tpot: 0.14, 0.5
-    g = M.goodput(df, {"ttft_s": 1.2, "tpot_s": 0.2})
+    g = S.goodput(df, {"ttft_s": 1.2, "tpot_s": 0.2})
     assert g["n_good"] == 1 and g["good_fraction"] == pytest.approx(0.25)
-    assert M.goodput(df, {"ttft_s": 2.0})["n_good"] == 2
-    assert M.goodput(df, {"ttft_s": 2.0, "tpot_s": 0.2})["n_good"] == 1
-    assert M.goodput(df, {"decode_tok_per_s": 5})["n_good"] == 1    # lower bound: 8.3 vs 2
+    assert S.goodput(df, {"ttft_s": 2.0})["n_good"] == 2
+    assert S.goodput(df, {"ttft_s": 2.0, "tpot_s": 0.2})["n_good"] == 1
+    assert S.goodput(df, {"decode_tok_per_s": 5})["n_good"] == 1    # lower bound: 8.3 vs 2
 
 
 def test_goodput_validation():
     df = M.per_request_frame([multi_chunk()])
     with pytest.raises(ValueError, match="unknown SLO metric 'ttft'"):
-        M.goodput(df, {"ttft": 0.5})
+        S.goodput(df, {"ttft": 0.5})
     for bad in (0, -1, float("nan"), float("inf"), "0.5"):
         with pytest.raises(ValueError, match="positive finite"):
-            M.goodput(df, {"ttft_s": bad})
+            S.goodput(df, {"ttft_s": bad})
     with pytest.warns(UserWarning, match="no request met SLO ttft_s"):
-        g = M.goodput(df, {"ttft_s": 1e-9})
+        g = S.goodput(df, {"ttft_s": 1e-9})
     assert g["n_good"] == 0 and g["goodput_requests_per_s"] == 0
 
 
@@ -171,27 +173,27 @@ def consistent_llamaserver():
 
 
 def test_reconcile_passes_consistent_and_flags_disagreement():
-    rec = M.reconcile(consistent_llamaserver())
+    rec = R.reconcile(consistent_llamaserver())
     assert set(rec["quantity"]) == {"prefill_tokens", "decode_tokens", "prefill_s", "decode_s"}
     assert rec["ok"].all()
     bad = consistent_llamaserver()
     bad.engine_timings["predicted_n"] = 9            # engine says 9 tokens, client saw 6
     bad.engine_timings["prompt_ms"] = 100.0          # engine prefill far below client TTFT
-    rec = M.reconcile(bad).set_index("quantity")
+    rec = R.reconcile(bad).set_index("quantity")
     assert not rec.loc["decode_tokens", "ok"] and not rec.loc["prefill_s", "ok"]
     assert rec.loc["decode_s", "ok"] and rec.loc["prefill_tokens", "ok"]
 
 
 def test_engine_view_units():
-    v = M.engine_view({"prompt_eval_duration": 2_000_000_000, "eval_count": 5, "t_eval_ms": 40,
+    v = R.engine_view({"prompt_eval_duration": 2_000_000_000, "eval_count": 5, "t_eval_ms": 40,
                        "unrelated": 1})
     assert v == {"prefill_s": 2.0, "decode_tokens": 5.0, "decode_s": 0.04}
 
 
 def test_check_identity():
     tr = multi_chunk()               # last chunk 11.6, end 11.7: a 0.1 s tail
-    out = M.check_identity(tr, atol_s=0.0, rtol=0.01)
+    out = R.check_identity(tr, atol_s=0.0, rtol=0.01)
     assert out["residual_s"] == pytest.approx(0.1) and out["ok"] is False
     tr.end_t = 11.6
-    assert M.check_identity(tr)["ok"] is True
-    assert M.check_identity(zero_output())["ok"] is None
+    assert R.check_identity(tr)["ok"] is True
+    assert R.check_identity(zero_output())["ok"] is None

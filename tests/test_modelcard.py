@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 
-from infercourse.errors import ModelLayerError
-from infercourse.modelcard import model_card
-from infercourse.models import embedded_gguf
+from infercourse.core.errors import ModelLayerError
+from infercourse.models.modelcard import model_card
+from infercourse.models.embedded import embedded_gguf
 
 # Published architecture of SmolLM2-135M.
 L, H, KV, HD, D, FFN, V, CTX = 30, 9, 3, 64, 576, 1536, 49152, 8192
@@ -23,14 +23,14 @@ L, H, KV, HD, D, FFN, V, CTX = 30, 9, 3, 64, 576, 1536, 49152, 8192
 def hf_dir():
     """The derived HF folder (built once into the cache, shared with test_formats)."""
     pytest.importorskip("transformers", reason="transformers not installed: no HF folder")
-    from infercourse.formats import hf_folder
+    from infercourse.models.formats import hf_folder
     return hf_folder()
 
 
 @pytest.fixture(scope="session")
 def mlx_q4_dir():
     pytest.importorskip("mlx_lm", reason="mlx-lm not installed: no MLX folder")
-    from infercourse.formats import mlx_folder
+    from infercourse.models.formats import mlx_folder
     return mlx_folder(4)
 
 

@@ -18,9 +18,9 @@ import socket
 import httpx
 import pytest
 
-from infercourse.engines.base import Request, generate
+from infercourse.core.types import Request, generate
 from infercourse.engines.ollama import OLLAMA_TIMING_FIELDS, OllamaEngine
-from infercourse.errors import APILayerError, ModelLayerError
+from infercourse.core.errors import APILayerError, ModelLayerError
 
 # The final object of docs/api.md's streaming chat example, field for field.
 DONE_CHAT = {"model": "llama3.2", "created_at": "2023-08-04T19:22:45.499127Z",

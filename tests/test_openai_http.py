@@ -18,9 +18,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from infercourse.engines.base import Request, generate
+from infercourse.core.types import Request, generate
 from infercourse.engines.openai_http import OpenAIHTTPEngine
-from infercourse.errors import APILayerError, BackendMissingError, ContextLayerError
+from infercourse.core.errors import APILayerError, BackendMissingError, ContextLayerError
 
 LLAMA_TIMINGS = {"cache_n": 3, "prompt_n": 9, "prompt_ms": 12.5, "predicted_n": 3,
                  "predicted_ms": 30.0, "predicted_per_second": 100.0}

@@ -7,8 +7,9 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from infercourse import metrics, plots  # noqa: E402
-from infercourse.trace import RequestTrace  # noqa: E402
+from infercourse.core import metrics  # noqa: E402
+from infercourse.measure import plots
+from infercourse.core.trace import RequestTrace  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _close():

@@ -1,11 +1,11 @@
 """Prefix caching: where prompts diverge, server counters, and cold vs warm on llama.cpp."""
 import pytest
 
-from infercourse import prefixcache as pc
-from infercourse.engines.base import Request
-from infercourse.errors import APILayerError
+from infercourse.lessons import prefixcache as pc
+from infercourse.core.types import Request
+from infercourse.core.errors import APILayerError
 from infercourse.servers import free_port
-from infercourse.workloads import shared_prefix_workload
+from infercourse.measure.workloads import shared_prefix_workload
 
 VLLM_METRICS = """\
 # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.

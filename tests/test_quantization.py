@@ -3,8 +3,8 @@ and (slow) a two-rung ladder measured end to end."""
 import numpy as np
 import pytest
 
-from infercourse.errors import ModelLayerError
-from infercourse.quantization import greedy_agreement, levels_per_block, paired_nll_difference
+from infercourse.core.errors import ModelLayerError
+from infercourse.lessons.quantization import greedy_agreement, levels_per_block, paired_nll_difference
 
 
 def test_greedy_agreement_stops_at_first_difference():
@@ -30,8 +30,8 @@ def test_paired_nll_difference():
 def test_f16_file_holds_4bit_blocks():
     """The derived F16 was dequantized from Q4_1: <= 16 levels per 32-weight block, while
     the Q8_0 embedding (256 levels) fills its blocks."""
-    from infercourse.formats import f16_gguf
-    from infercourse.models import embedded_gguf
+    from infercourse.models.formats import f16_gguf
+    from infercourse.models.embedded import embedded_gguf
     f16 = f16_gguf()
     lv = levels_per_block(f16, ["blk.3.ffn_up.weight", "token_embd.weight"])
     assert lv["blk.3.ffn_up.weight"]["max"] <= 16
@@ -44,9 +44,9 @@ def test_f16_file_holds_4bit_blocks():
 
 @pytest.mark.slow
 def test_measure_ladder_two_rungs():
-    from infercourse.models import embedded_gguf
-    from infercourse.quality import PARAGRAPH
-    from infercourse.quantization import ladder_paths, measure_ladder
+    from infercourse.models.embedded import embedded_gguf
+    from infercourse.models.quality import PARAGRAPH
+    from infercourse.lessons.quantization import ladder_paths, measure_ladder
     paths = ladder_paths(["Q8_0"])
     assert paths["Q4_1 (original)"] == embedded_gguf()
     df = measure_ladder(paths, ["Say hello."], max_tokens=8, eval_text=PARAGRAPH,
@@ -71,9 +71,9 @@ def test_measure_ladder_two_rungs():
 @pytest.mark.slow
 def test_ladder_table_agrees_with_the_gguf_reader():
     """llama.cpp's loaded weight bytes equal the tensor bytes gguf-py reads from the file."""
-    from infercourse.modelcard import model_card
-    from infercourse.models import embedded_gguf
-    from infercourse.quantization import ladder_table
+    from infercourse.models.modelcard import model_card
+    from infercourse.models.embedded import embedded_gguf
+    from infercourse.lessons.quantization import ladder_table
     t = ladder_table({"orig": embedded_gguf()}, bandwidth_gbs=10.0).iloc[0]
     card = model_card(embedded_gguf())
     assert t.weight_bytes == card.tensor_bytes and t.file_type == "Q4_1"

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from infercourse import importers, metrics
-from infercourse import results as R
-from infercourse.trace import RequestTrace
+from infercourse.measure import importers
+from infercourse.core import metrics, summary
+from infercourse.measure import results as R
+from infercourse.core.trace import RequestTrace
 
 DATA = Path(__file__).parent / "data"
 
@@ -129,7 +130,7 @@ def test_load_vllm_bench_fixture():
     assert r2.n_chunks == 2 and r2.tokens_per_chunk == pytest.approx(1.5)
     assert r2.decode_tok_per_s == pytest.approx(2 / 0.05)
     assert math.isnan(df.iloc[3].ttft_s)             # vLLM writes 0.0 for failures
-    assert metrics.error_rate(df) == pytest.approx(0.25)
+    assert summary.error_rate(df) == pytest.approx(0.25)
     ours = set(metrics.per_request_frame([trace(0, 0.1)]).columns)
     assert ours >= {c for c in df.columns if c not in ("run", "label", "max_concurrency", "request_rate")}
 
@@ -170,7 +171,7 @@ def test_load_guidellm_fixture():
     assert df.strategy.unique().tolist() == ["constant"]
     ours = set(metrics.per_request_frame([trace(0, 0.1)]).columns)
     assert ours >= {c for c in df.columns if c not in ("benchmark", "strategy")}
-    g = metrics.goodput(df, {"ttft_s": 0.5})
+    g = summary.goodput(df, {"ttft_s": 0.5})
     assert g["n_good"] == 2
 
 

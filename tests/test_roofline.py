@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from infercourse import roofline as rl
+from infercourse.measure import roofline as rl
 
 # SmolLM2-135M-like shape: 30 layers, 3 KV heads of 64 dims.
 CARD = {"n_layers": 30, "n_kv_heads": 3, "head_dim": 64, "weight_bytes": 100_000_000, "n_params": 135_000_000}

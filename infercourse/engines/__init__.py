@@ -1,4 +1,4 @@
-"""Every engine the course teaches, behind one streaming interface (see `base`).
+"""Every engine the course teaches, behind one streaming interface (`infercourse.core.types`).
 
 | name           | layer it exercises                      | where it runs              |
 |----------------|-----------------------------------------|----------------------------|
@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .base import Completion, Engine, Event, Request, Usage, as_request, fold, generate
+from infercourse.core.types import Completion, Engine, Event, Request, Usage, as_request, fold, generate
 
 __all__ = ["ENGINES", "engine_class", "make_engine", "Completion", "Engine", "Event",
            "Request", "Usage", "as_request", "fold", "generate"]

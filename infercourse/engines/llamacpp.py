@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import BackendMissingError, ContextLayerError, ModelLayerError
-from ..models import resolve_model
-from .base import Event, Messages, Request, Usage, as_request
+from infercourse import compat
+from infercourse.core.errors import BackendMissingError, ContextLayerError, ModelLayerError
+from infercourse.models.embedded import resolve_model
+from infercourse.core.types import Event, Messages, Request, Usage, as_request
 
 __all__ = ["LlamaCppEngine", "default_threads"]
 
@@ -88,10 +89,9 @@ class LlamaCppEngine:
         if not self._template:
             raise ModelLayerError(f"{self.model.path.name} has no chat template; pass prompt= instead")
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-        m = self.llm._model
         fmt = Jinja2ChatFormatter(template=self._template,
-                                  eos_token=m.token_get_text(self.llm.token_eos()),
-                                  bos_token=m.token_get_text(self.llm.token_bos()))
+                                  eos_token=compat.llama_token_text(self.llm, self.llm.token_eos()),
+                                  bos_token=compat.llama_token_text(self.llm, self.llm.token_bos()))
         return fmt(messages=request.messages).prompt
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
@@ -102,7 +102,7 @@ class LlamaCppEngine:
 
     def _eog_tokens(self) -> list[int]:
         if self._eog is None:
-            vocab = self.llm._model.vocab
+            vocab = compat.llama_vocab_ptr(self.llm)
             self._eog = [t for t in range(self.llm.n_vocab())
                          if self._llama_cpp.llama_vocab_is_eog(vocab, t)]
         return self._eog
@@ -129,9 +129,9 @@ class LlamaCppEngine:
                 logits[eog] = -np.inf
                 return logits
             processors = lc.LogitsProcessorList([_no_eog])
-        lc.llama_perf_context_reset(llm._ctx.ctx)
+        lc.llama_perf_context_reset(compat.llama_context_ptr(llm))
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        vocab, generated, finish = llm._model.vocab, [], "length"
+        vocab, generated, finish = compat.llama_vocab_ptr(llm), [], "length"
         gen = llm.generate(tokens, temp=req.temperature, top_k=0 if req.temperature else 1,
                            top_p=1.0, min_p=0.0, repeat_penalty=1.0,
                            reset=True, logits_processor=processors)
@@ -146,7 +146,7 @@ class LlamaCppEngine:
                 break
         gen.close()
         tail = decoder.decode(b"", final=True)
-        perf = lc.llama_perf_context(llm._ctx.ctx)
+        perf = lc.llama_perf_context(compat.llama_context_ptr(llm))
         timings = {"prompt_n": perf.n_p_eval, "prompt_ms": perf.t_p_eval_ms,
                    "predicted_n": perf.n_eval, "predicted_ms": perf.t_eval_ms,
                    "n_reused": perf.n_reused, "n_threads": self.n_threads}

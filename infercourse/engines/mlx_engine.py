@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import BackendMissingError, ContextLayerError, ModelLayerError
-from ..models import resolve_model
-from .base import Event, Messages, Request, Usage, as_request
+from infercourse.core.errors import BackendMissingError, ContextLayerError, ModelLayerError
+from infercourse.models.embedded import resolve_model
+from infercourse.core.types import Event, Messages, Request, Usage, as_request
 
 __all__ = ["MLXEngine"]
 
@@ -42,7 +42,7 @@ class MLXEngine:
             raise BackendMissingError(f"MLX-LM cannot be imported here: {e}", hint=hint) from e
         self._mx, self._mlx_lm = mx, mlx_lm
         if model is None:
-            from ..formats import mlx_folder
+            from infercourse.models.formats import mlx_folder
             model = mlx_folder(quantize_bits=quantize_bits)
         self.model_ref = resolve_model(model)
         if self.model_ref.kind not in ("mlx", "hf"):

@@ -27,8 +27,9 @@ from typing import Any, Iterator
 
 import httpx
 
-from ..errors import APILayerError, ModelLayerError
-from .base import Event, Messages, Request, Usage, as_request
+from infercourse import compat
+from infercourse.core.errors import APILayerError, ModelLayerError
+from infercourse.core.types import Event, Messages, Request, Usage, as_request
 
 __all__ = ["OllamaEngine", "OLLAMA_TIMING_FIELDS"]
 
@@ -150,8 +151,8 @@ class OllamaEngine:
                                 "api": self.api, "num_ctx": self.num_ctx}
         try:
             # the client has no version() call; its httpx client knows the host
-            info["server_version"] = self.client._client.get("/api/version").json().get("version")
-        except (httpx.HTTPError, ValueError, AttributeError):
+            info["server_version"] = compat.ollama_http_client(self.client).get("/api/version").json().get("version")
+        except (httpx.HTTPError, ValueError, compat.UpstreamChanged):
             info["server_version"] = None
         try:
             details = self.client.show(self.model).details

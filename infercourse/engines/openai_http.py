@@ -30,8 +30,8 @@ from typing import Any, AsyncIterator, Iterator
 import httpx
 from httpx_sse import SSEError, aconnect_sse, connect_sse
 
-from ..errors import APILayerError, ContextLayerError, InferCourseError
-from .base import Event, Messages, Request, Usage, as_request
+from infercourse.core.errors import APILayerError, ContextLayerError, InferCourseError
+from infercourse.core.types import Event, Messages, Request, Usage, as_request
 
 __all__ = ["OpenAIHTTPEngine"]
 

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import BackendMissingError, ContextLayerError, RuntimeLayerError
-from ..models import resolve_model
-from .base import Event, Messages, Request, Usage, as_request
+from infercourse.core.errors import BackendMissingError, ContextLayerError, RuntimeLayerError
+from infercourse.models.embedded import resolve_model
+from infercourse.core.types import Event, Messages, Request, Usage, as_request
 
 __all__ = ["TransformersEngine"]
 
@@ -44,7 +44,7 @@ class TransformersEngine:
     """transformers `generate()` on torch.
 
     Args:
-        model: an HF folder, a .gguf file (converted once through infercourse.formats),
+        model: an HF folder, a .gguf file (converted once through infercourse.models.formats),
             or None for the embedded model's derived HF folder.
         device: "cpu", "cuda" or "mps"; a missing device fails with a clear message.
         dtype: torch dtype name for the weights ("float32", "bfloat16", "float16").
@@ -69,7 +69,7 @@ class TransformersEngine:
         _check_device(torch, device)
         ref = resolve_model(model)
         if ref.kind == "gguf":
-            from ..formats import hf_folder
+            from infercourse.models.formats import hf_folder
             ref = resolve_model(hf_folder(None if model is None else ref.path))
         self.model_ref = ref
         if n_threads:

@@ -1,0 +1,226 @@
+"""The KV cache: what it saves (recomputation) and what it costs (memory per token).
+
+A transformer turns every token into a key and a value vector in every layer; attention
+for the next token needs the keys and values of *all* tokens before it. Without a cache
+each decode step runs the whole sequence through the model again, so step i processes
+prompt + i tokens and a whole generation does quadratic work. With a cache, each step runs
+one new token and reads the stored keys and values: linear work, flat step time, paid for
+in memory that grows by `2 x layers x kv_heads x head_dim x dtype bytes` per token.
+
+The two decode loops below are hand-written on purpose, side by side, with `# NEW` on the
+lines where the cached one differs (the shape rasbt's LLMs-from-scratch teaches the cache
+in): transformers' `generate()` does the same thing under many more switches. They are
+generators of token ids, so timing stays outside them (`core.trace.record_stream`, the
+recorder bench uses), as for every engine.
+
+`state_kv_bytes_per_token` measures what llama.cpp really stores: its state snapshot
+(`llama_state_get_size`) serializes the KV cells in use, so its growth per evaluated token
+is the engine's KV bytes per token. `kv_table` scales the formula to published models.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+from infercourse import compat
+from infercourse.models.modelcard import kv_bytes_per_token
+
+__all__ = ["naive_decode", "cached_decode", "run_loops", "tokens_processed",
+           "kv_bytes_per_token", "hf_cache_bytes", "state_kv_bytes_per_token", "PUBLISHED_CONFIGS", "kv_table", "DTYPE_BYTES"]
+
+
+# -- the two decode loops (greedy), to read side by side -------------------------------------
+def naive_decode(model, input_ids, n_new: int) -> Iterator[int]:
+    """Greedy decoding with no cache: every step recomputes keys and values for the
+    whole sequence so far.
+
+    Args:
+        model: a transformers causal LM (e.g. `TransformersEngine(...).model`).
+        input_ids: prompt token ids, a (1, n) LongTensor.
+        n_new: tokens to generate.
+    """
+    import torch
+    ids = input_ids
+    with torch.inference_mode():
+        for _ in range(n_new):
+            out = model(ids, use_cache=False, logits_to_keep=1)   # the whole sequence, again
+            next_id = out.logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, next_id], dim=1)                 # model sees it all next step
+            yield int(next_id)
+
+
+def cached_decode(model, input_ids, n_new: int) -> Iterator[int]:
+    """Greedy decoding with a KV cache: the prompt is processed once (prefill), then each
+    step feeds only the newest token and reuses the stored keys and values.
+
+    Args:
+        model: a transformers causal LM.
+        input_ids: prompt token ids, a (1, n) LongTensor.
+        n_new: tokens to generate.
+    """
+    import torch
+    from transformers import DynamicCache
+    ids = input_ids
+    cache = DynamicCache()          # NEW: keys/values live here (`past_key_values` before v5)
+    with torch.inference_mode():
+        for _ in range(n_new):
+            out = model(ids, cache=cache, use_cache=True,            # NEW: read + extend it
+                        logits_to_keep=1)
+            next_id = out.logits[:, -1].argmax(-1, keepdim=True)
+            ids = next_id                                          # NEW: only the new token
+            yield int(next_id)
+
+
+def run_loops(model, input_ids, n_new: int, *, results_root: str | Path | None = None,
+              conditions: dict | None = None):
+    """Run both loops on the same prompt; one row per generated token and loop.
+
+    Columns: loop, step (0 = the token the prefill produced), context_tokens (sequence
+    length the step ran on), step_s (time since the previous token, or since the start),
+    elapsed_s, token. `df.attrs["same_tokens"]` says whether both loops agreed. With
+    `results_root`, both runs are saved as `RequestTrace`s through `results.RunWriter`.
+
+    Args:
+        model: a transformers causal LM.
+        input_ids: prompt ids, (1, n) LongTensor.
+        n_new: tokens per loop.
+        results_root: folder for the saved run (None: not saved).
+        conditions: extra manifest entries (engine, model, ...).
+    """
+    import pandas as pd
+    from infercourse.core.trace import record_stream
+    from infercourse.core.types import Event
+    n_prompt, rows, traces = int(input_ids.shape[1]), [], []
+    for i, (name, loop) in enumerate((("no cache", naive_decode), ("KV cache", cached_decode))):
+        # each token is an event stamped on arrival; the same recorder bench uses times it
+        events: list = []
+        tr = record_stream((Event(t=time.perf_counter(), n_tokens=1, text=f"{tok} ")
+                            for tok in loop(model, input_ids, n_new)), request_id=i, events=events, loop=name)
+        t0, ts = tr.sent_t, tr.chunk_t
+        for k, (tok, t) in enumerate(zip((int(e.text) for e in events), ts)):
+            rows.append({"loop": name, "step": k, "context_tokens": n_prompt + k, "token": tok,
+                         "step_s": t - (ts[k - 1] if k else t0), "elapsed_s": t - t0})
+        traces.append(tr)
+    df = pd.DataFrame(rows)
+    a, b = (df[df["loop"] == n]["token"].tolist() for n in ("no cache", "KV cache"))
+    df.attrs["same_tokens"] = a == b
+    if results_root is not None:
+        from infercourse.measure.results import RunWriter
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        with RunWriter(Path(results_root) / f"{stamp}_decode_loops",
+                       {"workload": {"prompt_tokens": n_prompt, "n_new": n_new},
+                        "sampling": {"temperature": 0.0}, "load": {"pattern": "sequential"},
+                        "engine": {"engine": "kvcache.naive_decode / cached_decode"},
+                        "model": getattr(model.config, "_name_or_path", None),
+                        **(conditions or {})}) as w:
+            for tr in traces:
+                w.write(tr)
+        df.attrs["run_dir"] = str(w.dir)
+    return df
+
+
+def tokens_processed(prompt_tokens: int, n_new: int, *, cached: bool) -> int:
+    """Token positions run through the model to generate `n_new` tokens.
+
+    Without a cache step i (0-based) runs prompt + i positions: the sum is
+    n_new * prompt + n_new * (n_new - 1) / 2, quadratic in length. With a cache the prompt
+    runs once and each later step runs one position: prompt + n_new - 1.
+    """
+    if prompt_tokens < 1 or n_new < 1:
+        raise ValueError(f"need prompt_tokens >= 1 and n_new >= 1, got {prompt_tokens}, {n_new}")
+    if cached:
+        return prompt_tokens + n_new - 1
+    return n_new * prompt_tokens + n_new * (n_new - 1) // 2
+
+
+# -- what the cache costs --------------------------------------------------------------------
+DTYPE_BYTES = {"f32": 4, "f16/bf16": 2, "fp8/q8_0": 1, "q4_0": 0.5}  # q8_0 is ~1.06 with scales
+
+
+def hf_cache_bytes(model, input_ids) -> dict[str, Any]:
+    """Bytes transformers' DynamicCache holds after a prefill of `input_ids`: the sum of
+    every layer's key and value tensors, measured, not computed from the config."""
+    import torch
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    total = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    n = int(input_ids.shape[1])
+    return {"tokens": n, "bytes": total, "bytes_per_token": total / n,
+            "dtype": str(cache.layers[0].keys.dtype).removeprefix("torch.")}
+
+
+def state_kv_bytes_per_token(engine, n_tokens: tuple[int, int] = (32, 288)) -> dict[str, Any]:
+    """Measure llama.cpp's KV bytes per token from its state snapshot size.
+
+    `llama_state_get_size` counts the bytes `save_state` would write: a fixed part (the
+    last token's logits, RNG, headers) plus, for every KV cell in use, its key and value
+    rows in every layer (and ~12 bytes of cell metadata). Evaluating two prompt lengths and
+    dividing the difference in size by the difference in tokens cancels the fixed part.
+
+    Args:
+        engine: a `LlamaCppEngine` (its cache is reset before and after).
+        n_tokens: two prompt lengths to evaluate; both must fit in the context window.
+    """
+    from infercourse.core.errors import ContextLayerError
+    from infercourse.measure.workloads import exact_length_prompt
+    import llama_cpp as lc
+    llm = engine.llm
+    a, b = sorted(n_tokens)
+    if a == b or b > llm.n_ctx():
+        raise ContextLayerError(f"need two different lengths <= n_ctx {llm.n_ctx()}, got {n_tokens}")
+    sizes = {}
+    for n in (a, b):
+        engine.reset()       # eval() then drops every cell from position 0 on
+        llm.eval(engine.tokenize(exact_length_prompt(n, engine.tokenize, seed=n)))
+        sizes[n] = int(lc.llama_state_get_size(compat.llama_context_ptr(llm)))
+    engine.reset()
+    return {"tokens": (a, b), "state_bytes": (sizes[a], sizes[b]),
+            "kv_bytes_per_token": (sizes[b] - sizes[a]) / (b - a)}
+
+
+# Published configurations, each copied from the model's own config.json on Hugging Face
+# (num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim or
+# hidden_size / num_attention_heads). The URL is the source.
+PUBLISHED_CONFIGS = {
+    "Llama-2-7B": dict(n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
+                       source="https://huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json"),
+    "Mistral-7B-v0.1": dict(n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                            source="https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json"),
+    "Qwen2.5-7B": dict(n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
+                       source="https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json"),
+    "Llama-3.1-8B": dict(n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                         source="https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json"),
+    "Qwen2.5-32B": dict(n_layers=64, n_heads=40, n_kv_heads=8, head_dim=128,
+                        source="https://huggingface.co/Qwen/Qwen2.5-32B/blob/main/config.json"),
+    "Llama-3.1-70B": dict(n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+                          source="https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json"),
+}
+
+
+def kv_table(configs: dict[str, dict] | None = None, context_tokens: int = 32_768,
+             dtypes: Iterable[str] = ("f16/bf16", "fp8/q8_0", "q4_0")):
+    """KV-cache size per model: bytes per token, GiB at `context_tokens` for each cache
+    dtype, and what the same model would need with full multi-head attention (one KV
+    head per query head, no GQA sharing).
+
+    Args:
+        configs: name -> dict(n_layers, n_heads, n_kv_heads, head_dim[, source]);
+            default PUBLISHED_CONFIGS. A `modelcard.ModelCard.as_dict()` works too.
+        context_tokens: tokens held in the cache (one sequence).
+        dtypes: keys of DTYPE_BYTES.
+    """
+    import pandas as pd
+    rows = []
+    for name, c in (configs or PUBLISHED_CONFIGS).items():
+        per = kv_bytes_per_token(c["n_layers"], c["n_kv_heads"], c["head_dim"], 2)
+        row = {"model": name, "layers": c["n_layers"], "heads": c["n_heads"],
+               "kv_heads": c["n_kv_heads"], "head_dim": c["head_dim"],
+               "kv_kib_per_token_f16": per / 2**10}
+        for d in dtypes:
+            row[f"kv_gib_{d}"] = per / 2 * DTYPE_BYTES[d] * context_tokens / 2**30
+        row["kv_gib_f16_if_mha"] = per * c["n_heads"] / c["n_kv_heads"] * context_tokens / 2**30
+        row["source"] = c.get("source", "")
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("model")

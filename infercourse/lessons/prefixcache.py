@@ -1,0 +1,194 @@
+"""Prefix caching: reuse the KV cache of a prompt's leading tokens that an earlier request
+already computed, so the next request only prefills what is new.
+
+Every request to a chat model starts with the same tokens: the system prompt, the tool
+schemas, project context. An engine with a prefix cache keeps the attention keys and values
+(the KV cache) it computed for them and, when a new prompt starts with the *same tokens*,
+skips their prefill. The match is exact and from the start: the first differing token ends
+the reuse, so one changed character near the top of the system prompt (a timestamp, a
+reordered tool list) makes everything after it a miss.
+
+Engines differ in how much they keep: llama.cpp in process keeps the previous request's
+tokens only; llama-server keeps one per slot (plus an optional host-RAM cache); vLLM
+hashes blocks of 16 tokens into a shared pool, so many prefixes live at once. How to see
+a hit: llama.cpp's `prompt_n` (tokens evaluated), llama-server's `cached_tokens` /
+`timings.cache_n`, vLLM's Prometheus counters `vllm:prefix_cache_queries` and
+`vllm:prefix_cache_hits` (tokens, summed over engines) on `/metrics`.
+
+- `cold_warm`: one workload with the cache off, then on; TTFT and cached tokens per request.
+- `first_divergence` / `divergence_view`: where two prompts stop sharing tokens.
+- `prometheus_counters` / `counter_delta`: read a server's counters before and after a run.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import httpx
+import pandas as pd
+
+from infercourse.core.types import Request, generate
+from infercourse.core.errors import APILayerError
+from infercourse.measure.results import new_run_dir
+from infercourse.measure.workloads import common_prefix_len
+
+__all__ = ["VLLM_PREFIX_COUNTERS", "LLAMA_SERVER_COUNTERS", "first_divergence", "divergence_view",
+           "cold_warm", "cold_warm_summary", "prometheus_counters", "counter_delta", "run_with_counters",
+           "hit_rate"]
+
+# Counters as vLLM (v1 engine) declares them; on the wire each gets a `_total` suffix.
+VLLM_PREFIX_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+# llama-server (--metrics): prompt tokens it evaluated (cached ones excluded) and, in newer
+# builds, prompt tokens it reused from the cache.
+LLAMA_SERVER_COUNTERS = ("llamacpp:prompt_tokens", "llamacpp:prompt_tokens_cached")
+
+
+def first_divergence(tokens_a: Sequence, tokens_b: Sequence) -> int | None:
+    """Index of the first token where two prompts differ, which is also how many tokens a
+    prefix cache holding `tokens_a` can reuse for `tokens_b`. None if they are identical;
+    the shorter length if one is a prefix of the other."""
+    n = common_prefix_len(tokens_a, tokens_b)
+    return None if n == len(tokens_a) == len(tokens_b) else n
+
+
+def _detokenize(engine, tokens: Sequence[int]) -> str:
+    llm = getattr(engine, "llm", None)  # llama.cpp in process; transformers has .tokenizer
+    if llm is not None:
+        return llm.detokenize(list(tokens)).decode("utf-8", errors="replace")
+    return engine.tokenizer.decode(list(tokens))
+
+
+def divergence_view(engine, request_a: Request, request_b: Request, *, context: int = 6) -> dict[str, Any]:
+    """Where two requests' prompts (chat template applied) stop sharing tokens, with the
+    text of a few tokens on each side, as the engine's tokenizer sees them.
+
+    Args:
+        engine: has `prompt_tokens(request)` (LlamaCppEngine, TransformersEngine).
+        context: tokens shown before and after the divergence.
+    """
+    a, b = engine.prompt_tokens(request_a), engine.prompt_tokens(request_b)
+    pos = first_divergence(a, b)
+    out = {"tokens_a": len(a), "tokens_b": len(b), "first_divergence": pos,
+           "shared_pct": 100.0 * (len(a) if pos is None else pos) / max(1, len(b))}
+    if pos is not None:
+        lo = max(0, pos - context)
+        out.update(before=_detokenize(engine, a[lo:pos]),
+                   a_after=_detokenize(engine, a[pos:pos + context]),
+                   b_after=_detokenize(engine, b[pos:pos + context]))
+    return out
+
+
+def _warm_up(engine) -> None:
+    """One unrelated short request: loads kernels and pages, and (in process) leaves no
+    useful prefix behind, so the first measured request is truly cold."""
+    generate(engine, Request(messages=[{"role": "user", "content": "Say hi."}], max_tokens=2,
+                             cache_prompt=False))
+    if hasattr(engine, "reset"):
+        engine.reset()
+
+
+def cold_warm(engine, workload, *, label: str = "prefix", results_root: str | Path | None = None,
+              settings: Iterable[bool] = (False, True)) -> pd.DataFrame:
+    """Run the same requests with the prefix cache off, then on, back to back.
+
+    With the cache off every request prefills its whole prompt (cold). With it on, a request
+    whose leading tokens match what the engine still holds from the previous one prefills
+    only the rest (warm). Requests are forced to their `max_tokens` (ignore_eos) so TTFT
+    always exists. Returns bench's per-request frame with `cache_prompt`, `req_index`,
+    `prompt_n` (tokens evaluated, where the engine reports it) and `state` ("warm" when at
+    least half the prompt came from the cache, else "cold").
+
+    Args:
+        engine: an in-process engine (reset between settings) or an HTTP engine.
+        workload: a `workloads.Workload` or a list of Requests.
+        label: run name prefix; one run per setting is saved under `results_root`, each
+            in a new timestamped folder.
+        settings: the cache_prompt values to run, in order.
+    """
+    from infercourse.measure.bench import run
+    reqs = list(getattr(workload, "requests", workload))
+    _warm_up(engine)
+    frames = []
+    for cache in settings:
+        if hasattr(engine, "reset"):
+            engine.reset()
+        name = f"{label}-{'cache' if cache else 'nocache'}"
+        res = run(engine, [replace(r, cache_prompt=cache, ignore_eos=True) for r in reqs],
+                  pattern="sequential", warmup=0, progress=False, label=name,
+                  out_dir=new_run_dir(results_root, name),
+                  conditions={"cache_prompt": cache, "workload_name": getattr(workload, "name", None)})
+        df = res.df.copy()
+        df["cache_prompt"] = cache
+        df["prompt_n"] = [tr.engine_timings.get("prompt_n") for tr in res.traces]
+        frames.append(df)
+    df = pd.concat(frames, ignore_index=True)
+    df["state"] = ["warm" if f >= 0.5 else "cold" for f in df["cached_fraction"].fillna(0)]
+    return df
+
+
+def cold_warm_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Median TTFT, prompt and cached tokens per (cache setting, cold/warm): the table the
+    lesson reads its headline from."""
+    g = df.groupby(["cache_prompt", "state"])
+    return g.agg(requests=("ttft_s", "size"), ttft_s=("ttft_s", "median"),
+                 prompt_tokens=("prompt_tokens", "median"), cached_tokens=("cached_tokens", "median"))
+
+
+def prometheus_counters(source: str, names: Iterable[str]) -> dict[str, float]:
+    """Current values of Prometheus counters, each summed over its labels (engines, models).
+
+    Args:
+        source: a server URL (its `/metrics` is fetched) or Prometheus text itself.
+        names: family names without the `_total` suffix, e.g. VLLM_PREFIX_COUNTERS.
+            A name the server does not export is missing from the result.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+    text = source
+    if source.startswith(("http://", "https://")):
+        url = source.rstrip("/") + "/metrics"
+        try:
+            r = httpx.get(url, timeout=10.0)
+        except httpx.HTTPError as e:
+            raise APILayerError(f"metrics endpoint {url} not reachable: {e}",
+                                hint="is the server running? llama-server needs --metrics") from e
+        if r.status_code != 200:
+            raise APILayerError(f"{url} answered HTTP {r.status_code}",
+                                hint="llama-server exports /metrics only when started with --metrics")
+        text = r.text
+    wanted, out = {n.removesuffix("_total") for n in names}, {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name in wanted:
+            vals = [s.value for s in fam.samples if s.name in (fam.name, fam.name + "_total")]
+            out[fam.name] = float(sum(vals))
+    return out
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """How much each counter grew between two readings (a run's own share)."""
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def run_with_counters(engine, workload, source: str, names: Iterable[str], **kw: Any
+                      ) -> tuple[pd.DataFrame, dict[str, float]]:
+    """`cold_warm` on a server, reading its Prometheus counters before and after, so the
+    server's own bookkeeping can be set next to what the client saw. Returns the frame
+    and each counter's growth over the run (cold_warm's short warm-up request included).
+    Only this client should use the server meanwhile.
+
+    Args:
+        source: the server URL whose /metrics to read.
+        names: counter families, e.g. VLLM_PREFIX_COUNTERS or LLAMA_SERVER_COUNTERS.
+        kw: passed to `cold_warm` (settings, label, results_root).
+    """
+    names = list(names)
+    before = prometheus_counters(source, names)
+    df = cold_warm(engine, workload, **kw)
+    return df, counter_delta(before, prometheus_counters(source, names))
+
+
+def hit_rate(delta: dict[str, float], hits: str = VLLM_PREFIX_COUNTERS[1],
+             queries: str = VLLM_PREFIX_COUNTERS[0]) -> float | None:
+    """Share of queried prompt tokens served from the prefix cache (None: no queries)."""
+    q = delta.get(queries, 0.0)
+    return delta.get(hits, 0.0) / q if q else None

@@ -1,0 +1,237 @@
+"""Load generation that cannot lie: schedules, warm-up, coordinated omission, self-checks.
+
+Every request gets a *scheduled* send time from the load pattern before anything is sent,
+and latency is measured from it: a client (or a server) that falls behind shows up as
+latency instead of silently slowing the request rate (the "coordinated omission" trap).
+The gap between scheduled and actual send is kept per request as the dispatch delay.
+
+Patterns, all bounded by a request count and optionally a duration:
+- closed loop: `sequential` (one at a time) and `concurrency` (N workers; a worker's next
+  request is scheduled the moment its previous one finishes);
+- open loop: `rate` (constant spacing), `poisson` (seeded exponential gaps) and `replay`
+  (offsets recorded with a trace); requests go out on time whether or not earlier ones
+  have finished.
+
+HTTP engines (those with `astream`) run on one asyncio event loop with one
+`httpx.AsyncClient` whose pool fits the concurrency; the loop lives in a worker thread
+so the same code works in a script and in a notebook (whose kernel already runs a loop),
+and Ctrl-C in the main thread cancels it cleanly. In-process engines run one request at
+a time, and the manifest says so. Each finished request is appended to disk at once
+through `results.RunWriter`, so an interrupt or a dead server loses nothing finished.
+
+The client watches itself (CPU per wall second, dispatch delay): when the load generator
+rather than the server is the bottleneck, the result carries a warning saying so.
+`roofline.chunks_per_second` measures the client's own ceiling on streamed chunks.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import psutil
+
+from infercourse.core.errors import APILayerError, EngineLayerError, ServerLayerError
+from infercourse.core.trace import RequestTrace
+from infercourse.core.types import Request
+from infercourse.measure.loadgen import (
+    State,
+    constant_schedule,
+    loop_in_thread,
+    poisson_schedule,
+    run_async,
+    run_sync,
+    self_check,
+    server_address,
+)
+
+__all__ = ["BenchResult", "run", "sweep", "replay", "constant_schedule", "poisson_schedule",
+           "loop_in_thread", "PATTERNS", "MAX_REQUESTS"]
+
+PATTERNS = ("sequential", "concurrency", "rate", "poisson", "replay")
+MAX_REQUESTS = 100_000          # a hard bound: no run is open-ended
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass
+class BenchResult:
+    """One run: raw traces, one row per request, summary, conditions, where it is on disk."""
+
+    traces: list[RequestTrace]
+    df: Any                      # pandas DataFrame, metrics.per_request_frame
+    summary: Any                 # pandas DataFrame, summary.summarize
+    manifest: dict[str, Any]
+    dir: Path
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.manifest.get("warnings", [])
+
+
+def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
+        rate_rps: float | None = None, offsets_s: Sequence[float] | None = None, seed: int = 0,
+        warmup: int = 1, max_requests: int | None = None, max_duration_s: float | None = None,
+        ignore_eos: bool | None = None, max_in_flight: int = 256, out_dir: str | Path | None = None,
+        label: str | None = None, progress: bool = True, allow_remote: bool = False,
+        conditions: dict[str, Any] | None = None) -> BenchResult:
+    """Run one load pattern against an engine and record every request.
+
+    Args:
+        engine: an HTTP engine (has `astream`: concurrent) or an in-process one (sequential).
+        workload: a `workloads.Workload` or a list of `Request`s (cycled up to max_requests).
+        pattern: one of PATTERNS.
+        concurrency: workers for "concurrency" (downgraded to 1 for in-process engines).
+        rate_rps: requests per second for "rate" and "poisson".
+        offsets_s: send offsets for "replay" (default: the workload's own).
+        seed: seeds the Poisson schedule (and is recorded).
+        warmup: requests run first on the same path and excluded from the results.
+        max_requests / max_duration_s: bounds; no new request is sent past either.
+        ignore_eos: force every request to its max_tokens (None: leave requests as given).
+        max_in_flight: open-loop cap on concurrent requests (client pool size).
+        out_dir: results folder (default: cache_dir()/runs/<time>_<pattern>).
+        allow_remote: permit a non-loopback server (off: load tests stay on this machine).
+        conditions: extra manifest entries (e.g. server flags).
+    """
+    from infercourse.core import metrics, summary
+    from infercourse.models.embedded import cache_dir
+    from infercourse.measure.results import RunWriter
+    from tqdm.auto import tqdm
+
+    if pattern not in PATTERNS:
+        raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
+    base = list(getattr(workload, "requests", workload))
+    if not base:
+        raise ValueError("workload has no requests")
+    n = min(max_requests or len(base), MAX_REQUESTS)
+    if concurrency < 1 or max_in_flight < 1 or n < 1:
+        raise ValueError("concurrency, max_in_flight and max_requests must be >= 1")
+    reqs = [base[i % len(base)] for i in range(n)]
+    if ignore_eos is not None:
+        reqs = [replace(r, ignore_eos=ignore_eos) for r in reqs]
+    offsets = None
+    if pattern in ("rate", "poisson"):
+        if not rate_rps:
+            raise ValueError(f"pattern {pattern!r} needs rate_rps > 0")
+        offsets = constant_schedule(n, rate_rps) if pattern == "rate" else poisson_schedule(n, rate_rps, seed)
+    elif pattern == "replay":
+        offsets = offsets_s if offsets_s is not None else getattr(workload, "offsets_s", None)
+        if offsets is None:
+            raise ValueError("pattern 'replay' needs offsets_s or a workload with offsets")
+        offsets = np.asarray([offsets[i % len(offsets)] + (i // len(offsets)) * (max(offsets) + 1.0)
+                              for i in range(n)], float)
+    offsets = None if offsets is None else [float(o) for o in offsets]   # plain floats for JSON
+    if pattern == "sequential":
+        concurrency = 1
+    is_async, notes = hasattr(engine, "astream"), []
+    if not is_async and concurrency > 1:
+        notes.append(f"in-process engine {getattr(engine, 'name', engine)!r} runs one request at a "
+                     f"time: concurrency {concurrency} downgraded to 1")
+        concurrency = 1
+    addr = server_address(engine) if is_async else None
+    if addr and addr[0] not in _LOOPBACK and not allow_remote:
+        raise APILayerError(f"bench targets loopback servers only, got {addr[0]}:{addr[1]}",
+                            hint="pass allow_remote=True if you own that server and mean to load it")
+    from infercourse.measure.workloads import Workload
+    wl = (workload if hasattr(workload, "describe") else Workload("ad-hoc", tuple(base))).describe()
+    try:
+        eng = engine.describe()
+    except Exception as e:  # noqa: BLE001 - a describe() failure must not stop the run
+        eng = {"engine": getattr(engine, "name", type(engine).__name__), "describe_error": str(e)}
+    model = getattr(engine, "model", None)   # HTTP: asks the server, so a dead one fails here
+    model = {"name": model.name, "path": str(model.path), "sha256": model.sha256()} \
+        if hasattr(model, "sha256") else model
+    load = {"pattern": pattern, "concurrency": concurrency, "rate_rps": rate_rps, "seed": seed,
+            "warmup": warmup, "max_requests": n, "max_duration_s": max_duration_s,
+            "max_in_flight": max_in_flight if offsets is not None else concurrency,
+            "executor": "asyncio+httpx" if is_async else "in-process, one request at a time"}
+    manifest = {"label": label, "engine": eng, "model": model, "sampling": reqs[0].sampling(),
+                "load": load, "workload": wl, **(conditions or {})}
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    out = Path(out_dir) if out_dir else cache_dir() / "runs" / f"{stamp}_{label or pattern}"
+    writer = RunWriter(out, manifest)
+    warm = [reqs[i % n] for i in range(warmup)]
+    tags = [{"pattern": pattern, "concurrency": concurrency, "req_index": i % len(base)} for i in range(n)]
+    pbar = tqdm(total=n, desc=label or pattern, disable=not progress, leave=False)
+    st, status = State(writer, pbar), "ok"
+    try:
+        if is_async:
+            if loop_in_thread(lambda: run_async(engine, reqs, offsets, concurrency, max_in_flight,
+                                                  max_duration_s, warm, st, addr, tags)):
+                st.stop_reason = "interrupted"
+        else:
+            run_sync(engine, reqs, offsets, max_duration_s, warm, st, tags)
+    except BaseException as e:
+        status = f"error: {type(e).__name__}: {e}"
+        raise
+    finally:
+        pbar.close()
+        wall = time.perf_counter() - (st.t0 or time.perf_counter())
+        cpu_frac = (sum(psutil.Process().cpu_times()[:2]) - st.cpu0) / wall if wall > 0 else 0.0
+        df = metrics.per_request_frame(st.traces)
+        notes += self_check(df, cpu_frac, is_async, st, max_in_flight, offsets is not None) if len(df) else []
+        if st.stop_reason:
+            notes.append(f"run stopped early: {st.stop_reason} after {len(st.traces)} of {n} requests")
+        writer.manifest.update(warnings=notes, client={"cpu_frac_of_core": cpu_frac, "wall_s": wall,
+                               "cpu_includes_engine": not is_async, "max_in_flight": st.max_in_flight},
+                               stopped=st.stop_reason)
+        if st.server_error is not None:
+            status = f"error: server stopped answering: {st.server_error}"
+        writer.close(status if status != "ok" or not st.stop_reason else f"stopped: {st.stop_reason}")
+    result = BenchResult(st.traces, df, summary.summarize(df) if len(df) else df, writer.manifest, out)
+    if st.server_error is not None:
+        host = f"{addr[0]}:{addr[1]}" if addr else "the server"
+        n_err = int((df["status"] != "ok").sum())
+        raise ServerLayerError(f"server at {host} stopped answering mid-run: {len(st.traces) - n_err} "
+                               f"requests finished, {n_err} became errors ({st.server_error})",
+                               hint=f"check the server log; every finished request is in {out}",
+                               partial=result)
+    return result
+
+
+def sweep(engine, workload, concurrencies: Sequence[int] = (1, 2, 4, 8), *,
+          requests_per_level: int | None = None, out_dir: str | Path | None = None,
+          **kw: Any):
+    """From one request at a time to saturation: one closed-loop run per concurrency.
+
+    Returns (table, results): one summary row per level (throughput, p50/p95 latencies,
+    errors, warnings) and the BenchResult of each level.
+
+    Args:
+        concurrencies: levels, low to high; stop adding levels once throughput stops rising.
+        requests_per_level: requests per level (default max(4 x level, 8)).
+        out_dir: parent folder; each level writes `c<level>/` under it.
+        **kw: passed to `run` (warmup, ignore_eos, seed...).
+    """
+    import pandas as pd
+
+    from infercourse.core import summary
+    if not hasattr(engine, "astream") and max(concurrencies) > 1:
+        raise EngineLayerError("an in-process engine runs one request at a time; a concurrency "
+                               "sweep needs a server", hint="start one with servers.LlamaServer "
+                                                            "and use OpenAIHTTPEngine(srv.url)")
+    rows, results, label = [], [], kw.pop("label", None)
+    for c in concurrencies:
+        n = requests_per_level or max(4 * c, 8)
+        sub = Path(out_dir) / f"c{c}" if out_dir else None
+        r = run(engine, workload, pattern="concurrency", concurrency=c, max_requests=n,
+                out_dir=sub, label=f"{label or 'sweep'}-c{c}", **kw)
+        s, row = r.summary, {"concurrency": c, **summary.throughput(r.df),
+                             "error_rate": summary.error_rate(r.df)}
+        for m, q in (("ttft_s", "p50"), ("ttft_s", "p95"), ("tpot_s", "p50"), ("e2e_s", "p95"),
+                     ("dispatch_delay_s", "p95")):
+            row[f"{m}_{q}"] = s.loc[m, q] if m in s.index and q in s else float("nan")
+        row.update(max_in_flight=r.manifest["client"]["max_in_flight"], warnings=len(r.warnings))
+        rows.append(row)
+        results.append(r)
+    return pd.DataFrame(rows).set_index("concurrency"), results
+
+
+def replay(engine, timed: Sequence[tuple[float, Request]], **kw: Any) -> BenchResult:
+    """Send recorded requests at their recorded offsets: `timed` is [(offset_s, Request)],
+    e.g. `list(workloads.replay_calls(session))`."""
+    offsets, reqs = zip(*timed)
+    return run(engine, list(reqs), pattern="replay", offsets_s=list(offsets), **kw)
+

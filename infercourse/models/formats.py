@@ -1,0 +1,352 @@
+"""One model, many formats: every format the course uses, derived locally from one GGUF.
+
+The embedded SmolLM2-135M-Instruct Q4_1 GGUF is the single source. From it we derive, once,
+into `cache_dir()/derived/<sha256 prefix of the source>/`:
+
+    hf/            HF safetensors folder (transformers dequantizes the GGUF)      float32
+    gguf-F16/      F16 GGUF (llama.cpp's convert_hf_to_gguf.py from hf/)
+    gguf-<Q>/      re-quantized GGUFs (llama.cpp's quantizer, from the F16 GGUF)
+    mlx/, mlx-q4/  MLX folders (mlx_lm.convert from hf/), float and 4-bit
+
+Why float32 for hf/: a Q4_1 weight is d*q + m with fp16 d and m and a 4-bit q, and the
+tied embedding is Q8_0 (d*q, 8-bit q); such products need up to ~19 significand bits, so
+fp16 (11) and bf16 (8) would round them. float32 (24) holds them exactly (tested).
+
+Every derivation is built in a temporary sibling folder, gets a `manifest.json` (source
+sha256, tool and version, arguments, output sha256, seconds), and is renamed into place
+only when complete, under a file lock: an interrupted or concurrent conversion never
+leaves a folder that a later call takes as valid.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Callable
+
+from infercourse.core.errors import BackendMissingError, ModelLayerError, RuntimeLayerError
+from infercourse.models.embedded import cache_dir, embedded_gguf, file_sha256
+
+__all__ = ["hf_folder", "f16_gguf", "quantized_gguf", "quant_ladder", "mlx_folder",
+           "ensure_all", "derived_dir", "manifest", "LADDER"]
+
+LADDER = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K")
+_STEM = "SmolLM2-135M-Instruct"
+
+
+def derived_dir(source: str | Path | None = None) -> Path:
+    """Folder holding everything derived from `source` (default: the embedded GGUF)."""
+    src = _source(source)
+    return cache_dir() / "derived" / file_sha256(src)[:16]
+
+
+def manifest(path: str | Path) -> dict:
+    """The manifest of a derived output (a folder, or a file inside one)."""
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    try:
+        return json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLayerError(f"{folder} has no readable manifest.json: not a finished derivation",
+                              hint="delete it and derive again") from e
+
+
+def _source(source) -> Path:
+    src = embedded_gguf() if source is None else Path(source)
+    if not src.is_file():
+        raise ModelLayerError(f"source GGUF {src} not found")
+    with open(src, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLayerError(f"source {src} is not a GGUF file (bad magic bytes)")
+    return src
+
+
+def _derive(target: Path, build: Callable[[Path], dict], *, source: Path | None = None) -> Path:
+    """Build the folder `target` once: under a lock, into a temp sibling, then rename.
+
+    Args:
+        target: final folder; it exists only when it is complete (holds manifest.json).
+        build: writes the output into the (empty, existing) folder it is given and
+            returns {"tool", "version", "args"} for the manifest.
+        source: the file the output derives from, recorded by its sha256.
+    """
+    from filelock import FileLock
+
+    if (target / "manifest.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "manifest.json").is_file():  # another process finished it meanwhile
+            return target
+        if target.exists():  # no manifest: a leftover of a crash before atomic writes
+            shutil.rmtree(target)
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            t0 = time.perf_counter()
+            info = build(tmp)
+            seconds = time.perf_counter() - t0
+            record = {"output": target.name, **info, "seconds": round(seconds, 2),
+                      "source": str(source) if source else None,
+                      "source_sha256": file_sha256(source) if source else None,
+                      "output_sha256": _hash_folder(tmp),
+                      "output_bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()),
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            (tmp / "manifest.json").write_text(json.dumps(record, indent=2))
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _hash_folder(folder: Path) -> str:
+    """sha256 over a folder's files (names and bytes), manifest.json excluded."""
+    import hashlib
+    h = hashlib.sha256()
+    for p in sorted(q for q in folder.rglob("*") if q.is_file() and q.name != "manifest.json"):
+        h.update(p.relative_to(folder).as_posix().encode())
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def hf_folder(source: str | Path | None = None) -> Path:
+    """HF safetensors folder (float32, see module docstring) dequantized from the GGUF.
+
+    transformers reads the GGUF (weights, config, tokenizer); we then add `rope_theta` to
+    config.json, because transformers 5 writes it only inside `rope_parameters` and
+    mlx-lm, not finding it, silently falls back to 10000 (worse text, no error).
+
+    Args:
+        source: a GGUF file; None for the embedded model.
+    """
+    src = _source(source)
+
+    def build(out: Path) -> dict:
+        try:
+            import torch
+            import transformers
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as e:
+            raise BackendMissingError("transformers/torch not installed",
+                                      hint="pip install 'infercourse[hf]'") from e
+        kw = dict(gguf_file=src.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), **kw)
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        if getattr(model, "hf_quantizer", None) is not None:
+            # the GGUF loader marks the model "quantized"; the weights are plain fp32 now
+            model.hf_quantizer.remove_quantization_config(model)
+        model.save_pretrained(str(out))
+        tok.save_pretrained(str(out))
+        cfg_path = out / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
+        if theta is None:
+            theta = _gguf_rope_theta(src)
+        cfg["rope_theta"] = float(theta)
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+        return {"tool": "transformers", "version": transformers.__version__,
+                "args": {"gguf_file": src.name, "dtype": "float32", "rope_theta": cfg["rope_theta"]}}
+
+    return _derive(derived_dir(src) / "hf", build, source=src)
+
+
+def _gguf_rope_theta(src: Path) -> float:
+    import gguf
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    return float(r.fields[f"{arch}.rope.freq_base"].contents())
+
+
+def llama_cpp_source() -> Path:
+    """llama.cpp's Python tools (convert_hf_to_gguf.py, conversion/, gguf-py/), extracted
+    from the llama-cpp-python sdist of the installed version: the wheel omits them, and
+    the PyPI `gguf` package lags the converter it would have to match."""
+    ver = version("llama-cpp-python")
+    root = cache_dir() / "src" / f"llama.cpp-{ver}"
+
+    def build(out: Path) -> dict:
+        dl = cache_dir() / "src"
+        sdist = dl / f"llama_cpp_python-{ver}.tar.gz"
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+               "llama-cpp-python", f"llama-cpp-python=={ver}", "-d", str(dl)]
+        if not sdist.is_file():
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0 or not sdist.is_file():
+                raise RuntimeLayerError(f"could not fetch the llama-cpp-python {ver} sdist: "
+                                        f"{r.stderr.strip()[-400:]}", hint=" ".join(cmd))
+        prefix = f"llama_cpp_python-{ver}/vendor/llama.cpp/"
+        wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+        with tarfile.open(sdist) as tf:
+            for m in tf.getmembers():
+                rel = m.name.removeprefix(prefix)
+                if m.name.startswith(prefix) and rel.startswith(wanted) and m.isfile():
+                    m.name = rel
+                    tf.extract(m, out, filter="data")
+        if not (out / "convert_hf_to_gguf.py").is_file():
+            raise RuntimeLayerError(f"{sdist} has no vendor/llama.cpp/convert_hf_to_gguf.py")
+        return {"tool": "pip download", "version": ver, "args": cmd}
+
+    return _derive(root, build)
+
+
+def f16_gguf(source: str | Path | None = None) -> Path:
+    """F16 GGUF made by llama.cpp's convert_hf_to_gguf.py from the HF folder.
+
+    Args:
+        source: a GGUF file; None for the embedded model.
+    """
+    src = _source(source)
+    hf = hf_folder(src)
+    tools = llama_cpp_source()
+    name = f"{_STEM}.F16.gguf"
+
+    def build(out: Path) -> dict:
+        cmd = [sys.executable, str(tools / "convert_hf_to_gguf.py"), str(hf),
+               "--outtype", "f16", "--outfile", str(out / name)]
+        env = {**os.environ, "PYTHONPATH": str(tools / "gguf-py")}
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            raise RuntimeLayerError(f"convert_hf_to_gguf.py failed: {r.stderr.strip()[-800:]}",
+                                    hint=" ".join(cmd))
+        return {"tool": "convert_hf_to_gguf.py", "version": version("llama-cpp-python"),
+                "args": [str(hf), "--outtype", "f16", "--outfile", name]}
+
+    return _derive(derived_dir(src) / "gguf-F16", build, source=hf / "model.safetensors") / name
+
+
+def quantized_gguf(qtype: str, source: str | Path | None = None, *, n_threads: int = 2) -> Path:
+    """GGUF re-quantized to `qtype` (e.g. "Q4_K_M") by llama.cpp, from the F16 GGUF.
+
+    We quantize from F16, not from the Q4_1 source, so errors do not compound (and
+    llama.cpp refuses to requantize without `allow_requantize`). The name is llama.cpp's
+    *request*: rows whose length is not a multiple of 256 cannot use K-quants and fall
+    back to bigger types, so read the real bits per weight with `quant_ladder`.
+
+    Args:
+        qtype: a llama.cpp file type, as in `LLAMA_FTYPE_MOSTLY_<qtype>`.
+        source: a GGUF file; None for the embedded model.
+        n_threads: quantizer threads.
+    """
+    import llama_cpp
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype.upper()}", None)
+    if ftype is None:
+        raise ModelLayerError(f"unknown quantization type {qtype!r}",
+                              hint=f"use one of {', '.join(LADDER)}")
+    src = _source(source)
+    f16 = f16_gguf(src)
+    name = f"{_STEM}.{qtype.upper()}.gguf"
+
+    def build(out: Path) -> dict:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.nthread = ftype, n_threads
+        rc = llama_cpp.llama_model_quantize(str(f16).encode(), str(out / name).encode(),
+                                            llama_cpp.byref(params))
+        if rc != 0:
+            raise RuntimeLayerError(f"llama_model_quantize({qtype}) returned {rc}")
+        return {"tool": "llama_model_quantize", "version": version("llama-cpp-python"),
+                "args": {"ftype": qtype.upper(), "input": f16.name, "nthread": n_threads}}
+
+    return _derive(derived_dir(src) / f"gguf-{qtype.upper()}", build, source=f16) / name
+
+
+def quant_ladder(qtypes=LADDER, source: str | Path | None = None, *, with_nll: bool = False):
+    """Derive each quantization and tabulate what the files really hold.
+
+    Returns a DataFrame: name, path, bytes, bits_per_weight (8 x tensor bytes / params, read
+    from the GGUF itself), file type as the file names it, and with `with_nll` the mean
+    NLL of `quality.PARAGRAPH` (nats/token; ~10 s per row on 2 cores).
+    """
+    import pandas as pd
+    from infercourse.models.modelcard import model_card
+    rows = []
+    for q in ("F16", *qtypes):
+        path = f16_gguf(source) if q == "F16" else quantized_gguf(q, source)
+        card = model_card(path)
+        rows.append({"name": q, "path": str(path), "bytes": path.stat().st_size,
+                     "bits_per_weight": card.bits_per_weight, "file_type": card.quantization})
+        if with_nll:
+            from infercourse.models.quality import mean_nll
+            rows[-1]["mean_nll"] = mean_nll(path)
+    return pd.DataFrame(rows)
+
+
+def mlx_folder(quantize_bits: int | None = None, source: str | Path | None = None,
+               *, group_size: int = 64) -> Path:
+    """MLX folder converted by `mlx_lm.convert` from the HF folder; float or quantized.
+
+    Args:
+        quantize_bits: None for float (float32, as hf/), or 2/3/4/6/8 for MLX affine
+            quantization with `group_size` weights per scale and bias.
+        source: a GGUF file; None for the embedded model.
+    """
+    src = _source(source)
+    hf = hf_folder(src)
+
+    def build(out: Path) -> dict:
+        try:
+            import mlx_lm
+        except ImportError as e:
+            raise BackendMissingError("mlx-lm is not installed",
+                                      hint="pip install 'infercourse[mlx]'") from e
+        out.rmdir()  # mlx_lm.convert refuses an existing folder
+        args = dict(quantize=quantize_bits is not None, q_bits=quantize_bits,
+                    q_group_size=group_size,
+                    # float keeps fp32 (exact, as hf/); quantized uses bf16 scales as
+                    # mlx-community models do
+                    dtype="bfloat16" if quantize_bits else "float32")
+        mlx_lm.convert(str(hf), mlx_path=str(out), **args)
+        (out / ".mlx").write_text("converted by mlx_lm.convert\n")
+        return {"tool": "mlx_lm.convert", "version": version("mlx-lm"), "args": args}
+
+    sub = "mlx" if quantize_bits is None else f"mlx-q{quantize_bits}"
+    return _derive(derived_dir(src) / sub, build, source=hf / "model.safetensors")
+
+
+def ensure_all(source: str | Path | None = None, qtypes=("Q8_0", "Q4_K_M", "Q2_K"),
+               mlx: bool = True) -> list[dict]:
+    """Derive the course's standard set once (HF, F16, a small ladder, MLX float and
+    4-bit) and print what exists, with sizes and the seconds each derivation took."""
+    steps = [("hf", lambda: hf_folder(source)), ("gguf-F16", lambda: f16_gguf(source))]
+    steps += [(f"gguf-{q}", lambda q=q: quantized_gguf(q, source)) for q in qtypes]
+    if mlx:
+        steps += [("mlx", lambda: mlx_folder(None, source)), ("mlx-q4", lambda: mlx_folder(4, source))]
+    made = []
+    for label, fn in steps:
+        try:
+            path = fn()
+        except BackendMissingError as e:
+            print(f"{label:10s} skipped: {e}")
+            continue
+        m = manifest(path)
+        made.append({"name": label, "path": str(path), "bytes": m["output_bytes"],
+                     "derive_s": m["seconds"], "tool": m["tool"]})
+        print(f"{label:10s} {m['output_bytes'] / 1e6:8.1f} MB  derived in {m['seconds']:6.1f} s"
+              f"  by {m['tool']}  ->  {path}")
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m infercourse formats [--no-mlx] [--ladder Q8_0,Q4_K_M,...]`."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="infercourse formats", description=ensure_all.__doc__)
+    ap.add_argument("--ladder", default="Q8_0,Q4_K_M,Q2_K", help="comma-separated GGUF types")
+    ap.add_argument("--no-mlx", action="store_true", help="skip the MLX folders")
+    ap.add_argument("--source", default=None, help="source GGUF (default: the embedded model)")
+    a = ap.parse_args(argv)
+    ensure_all(a.source, tuple(q for q in a.ladder.split(",") if q), mlx=not a.no_mlx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

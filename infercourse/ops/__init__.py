@@ -1,0 +1,2 @@
+"""Operating inference services: checking what this machine and a running stack have
+(`doctor`)."""

