@@ -17,6 +17,12 @@ Unix timestamps (`targeted_start`, `request_start`, `first_token_iteration`,
 *includes* the first token ((last - start) / n) and its `inter_token_latency_ms` is a
 per-request mean over (last - first) / (n - 1); we recompute ours from the timestamps.
 It assumes the first iteration holds one token; so do we for its files.
+
+Each imported request becomes a `RequestTrace` and goes through the same
+`metrics.per_request_frame` as ours: TPOT, decode speed and the rest have one definition,
+in one place. Where a tool stored less than a trace holds (GuideLLM keeps only the first
+and last token times), the columns that need the missing chunks are set from what it
+did store, or NaN.
 """
 from __future__ import annotations
 
@@ -29,6 +35,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from infercourse.core import metrics
+from infercourse.core.trace import RequestTrace
 
 __all__ = ["load_vllm_bench", "load_guidellm"]
 
@@ -48,22 +57,18 @@ def _read_json_or_lines(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _derived(row: dict[str, Any], first_chunk_tokens: int = 1) -> dict[str, Any]:
-    """TPOT, decode speed, tokens per chunk and prefill speed from the primary columns."""
-    n, ttft, e2e = row["output_tokens"], row["ttft_s"], row["e2e_s"]
-    span, chunks = row.pop("_decode_span_s"), row["n_chunks"]
-    row["tpot_s"] = (e2e - ttft) / (n - 1) if n >= 2 and not math.isnan(ttft) else math.nan
-    row["decode_tok_per_s"] = ((n - first_chunk_tokens) / span
-                               if chunks >= 2 and span and span > 0 else math.nan)
-    row["tokens_per_chunk"] = n / chunks if chunks else math.nan
-    ttfs = row["ttft_from_send_s"]
-    cached = 0.0 if math.isnan(row["cached_tokens"]) else row["cached_tokens"]
-    row["prefill_tok_per_s"] = ((row["prompt_tokens"] - cached) / ttfs
-                                if ttfs and ttfs > 0 and not math.isnan(row["prompt_tokens"])
-                                else math.nan)
-    row["cached_fraction"] = (row["cached_tokens"] / row["prompt_tokens"]
-                              if row["prompt_tokens"] else math.nan)
-    return row
+def _trace(*, request_id: Any, status: str, error: str | None, source: str, scheduled_t: float,
+           sent_t: float, chunk_t: list[float], end_t: float | None, prompt_tokens: float,
+           cached_tokens: float, output_tokens: int, **tags: Any) -> RequestTrace:
+    """A trace from what a tool stored. Per-chunk token counts are unknown (0), so the
+    metrics use the tool's output count, with the first chunk holding one token."""
+    return RequestTrace(
+        request_id=request_id, scheduled_t=scheduled_t, sent_t=sent_t, chunk_t=chunk_t,
+        chunk_tokens=[0] * len(chunk_t), end_t=end_t,
+        prompt_tokens=None if math.isnan(prompt_tokens) else int(prompt_tokens),
+        completion_tokens=output_tokens,
+        cached_tokens=None if math.isnan(cached_tokens) else int(cached_tokens),
+        token_source=source, status=status, error=error, tags=tags)
 
 
 def load_vllm_bench(path: str | os.PathLike) -> pd.DataFrame:
@@ -97,33 +102,31 @@ def load_vllm_bench(path: str | os.PathLike) -> pd.DataFrame:
                               "ttft_from_send_s is kept", stacklevel=2)
             queue = [math.nan if capped else 0.0] * n
         errors = res.get("errors") or [""] * n
-        rows = []
+        traces = []
+        have_clock = res.get("start_times") is not None
         for i in range(n):
             ok = not errors[i]
             ttft = res["ttfts"][i] if ok else None
             itl = list(res["itls"][i] or [])
             e2e = lat[i] if lat[i] is not None else (ttft + sum(itl) if ok else None)
             q = _nan(queue[i])
-            sent = _nan(starts[i])
-            row = {"request_id": i, "status": "ok" if ok else "error",
-                   "error": errors[i] or None, "token_source": "vllm_bench",
-                   "scheduled_t": sent - q, "sent_t": sent,
-                   "first_token_t": sent + ttft if ttft is not None else math.nan,
-                   "end_t": sent + e2e if (ok and e2e is not None) else math.nan,
-                   "prompt_tokens": float(res["input_lens"][i]), "cached_tokens": math.nan,
-                   "output_tokens": int(res["output_lens"][i] or 0),
-                   "n_chunks": (len(itl) + 1) if ok and ttft else 0,
-                   "ttft_s": _nan(ttft) + q, "ttft_from_send_s": _nan(ttft),
-                   "e2e_s": _nan(e2e) + q, "e2e_from_send_s": _nan(e2e),
-                   "dispatch_delay_s": q,
-                   "itl_mean_s": float(np.mean(itl)) if itl else math.nan,
-                   "itl_max_s": float(np.max(itl)) if itl else math.nan,
-                   "_decode_span_s": float(sum(itl)), "run": r,
-                   "label": res.get("label") or res.get("backend"),
-                   "max_concurrency": res.get("max_concurrency"),
-                   "request_rate": res.get("request_rate")}
-            rows.append(_derived(row))
-        frames.append(pd.DataFrame(rows))
+            # without start times, each request gets its own zero: every per-request metric
+            # is a difference and survives; the run's wall clock does not (set NaN below)
+            sent = _nan(starts[i]) if have_clock else 0.0
+            first = sent + ttft if ttft else None
+            chunk_t = [] if first is None else list(first + np.concatenate([[0.0], np.cumsum(itl)]))
+            traces.append(_trace(
+                request_id=i, status="ok" if ok else "error", error=errors[i] or None, source="vllm_bench",
+                scheduled_t=sent - q, sent_t=sent, chunk_t=chunk_t,
+                end_t=sent + e2e if (ok and e2e is not None) else math.nan,
+                prompt_tokens=float(res["input_lens"][i]), cached_tokens=math.nan,
+                output_tokens=int(res["output_lens"][i] or 0), run=r,
+                label=res.get("label") or res.get("backend"), max_concurrency=res.get("max_concurrency"),
+                request_rate=res.get("request_rate")))
+        df = metrics.per_request_frame(traces)
+        if not have_clock:
+            df[["scheduled_t", "sent_t", "first_token_t", "end_t"]] = math.nan
+        frames.append(df)
     return pd.concat(frames, ignore_index=True)
 
 
@@ -166,23 +169,19 @@ def load_guidellm(path: str | os.PathLike) -> pd.DataFrame:
                 n_out = _first(req.get("output_tokens"), out.get("total_tokens"),
                                out.get("text_tokens"), t.get("token_iterations"), 0)
                 chunks = int(t.get("token_iterations") or 0)
-                row = {"request_id": req.get("request_id"), "status": status,
-                       "error": info.get("error"), "token_source": "guidellm",
-                       "scheduled_t": _nan(sched), "sent_t": _nan(sent),
-                       "first_token_t": _nan(first), "end_t": _nan(end),
-                       "prompt_tokens": _nan(_first(req.get("prompt_tokens"),
-                                                    inp.get("total_tokens"), inp.get("text_tokens"))),
-                       "cached_tokens": _nan(inp.get("cached_tokens")),
-                       "output_tokens": int(n_out), "n_chunks": chunks,
-                       "ttft_s": _nan(first) - _nan(sched) if first else math.nan,
-                       "ttft_from_send_s": _nan(first) - _nan(sent) if first else math.nan,
-                       "e2e_s": _nan(end) - _nan(sched), "e2e_from_send_s": _nan(end) - _nan(sent),
-                       "dispatch_delay_s": _nan(sent) - _nan(sched),
-                       # only first/last are stored, so the mean gap is all we can know
-                       "itl_mean_s": ((last - first) / (chunks - 1)
-                                      if first and last and chunks > 1 else math.nan),
-                       "itl_max_s": math.nan,
-                       "_decode_span_s": (last - first) if first and last else math.nan,
-                       "benchmark": b, "strategy": strat.get("type_")}
-                rows.append(_derived(row))
+                tr = _trace(
+                    request_id=req.get("request_id"), status=status, error=info.get("error"),
+                    source="guidellm", scheduled_t=_nan(sched), sent_t=_nan(sent),
+                    chunk_t=[x for x in (first, last) if x is not None][: max(chunks, 1) if first else 0],
+                    end_t=_nan(end),
+                    prompt_tokens=_nan(_first(req.get("prompt_tokens"), inp.get("total_tokens"),
+                                              inp.get("text_tokens"))),
+                    cached_tokens=_nan(inp.get("cached_tokens")), output_tokens=int(n_out),
+                    benchmark=b, strategy=strat.get("type_"))
+                row = metrics.per_request_frame([tr]).iloc[0].to_dict()
+                # only first/last are stored: the chunk count is GuideLLM's, the mean gap all we can know
+                row.update(n_chunks=chunks, tokens_per_chunk=int(n_out) / chunks if chunks else math.nan,
+                           itl_mean_s=(last - first) / (chunks - 1) if first and last and chunks > 1 else math.nan,
+                           itl_max_s=math.nan)
+                rows.append(row)
     return pd.DataFrame(rows)
