@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from infercourse.measure import bench
+from infercourse.measure import bench, loadgen
 from infercourse.measure import roofline
 from infercourse.core.types import Event, Request, Usage
 from infercourse.core.errors import APILayerError, EngineLayerError, ServerLayerError
@@ -148,11 +148,11 @@ def test_bad_inputs_are_clear():
 
 def test_self_check_flags_a_slow_client():
     df = pd.DataFrame({"status": ["ok"] * 20, "dispatch_delay_s": [0.2] * 20, "ttft_from_send_s": [0.1] * 20})
-    st = bench._State(None, None)
-    out = bench._self_check(df, 0.95, True, st, 256, True)
+    st = loadgen.State(None, None)
+    out = loadgen.self_check(df, 0.95, True, st, 256, True)
     assert any("CPU core" in w for w in out) and any("dispatch delay" in w for w in out)
     df["dispatch_delay_s"] = 0.001
-    assert bench._self_check(df, 0.2, True, st, 256, True) == []
+    assert loadgen.self_check(df, 0.2, True, st, 256, True) == []
 
 
 def test_remote_server_refused():

@@ -12,7 +12,11 @@ from typing import Any
 __all__ = [
     "InferCourseError", "APILayerError", "ServerLayerError", "EngineLayerError",
     "RuntimeLayerError", "ModelLayerError", "ContextLayerError", "BackendMissingError",
+    "KVCacheLayerError", "MemoryLayerError", "HardwareLayerError", "LAYERS",
 ]
+
+# The order a symptom is located in (see notebook 15): the first failing layer is the answer.
+LAYERS = ("API", "server", "engine", "runtime", "model", "context", "KV cache", "memory", "hardware")
 
 
 class InferCourseError(Exception):
@@ -66,3 +70,22 @@ class ContextLayerError(InferCourseError):
     """The prompt (plus the tokens asked for) does not fit the context window."""
 
     layer = "context"
+
+
+class KVCacheLayerError(InferCourseError):
+    """The KV cache is full or was sized too small for the requests in flight."""
+
+    layer = "KV cache"
+
+
+class MemoryLayerError(InferCourseError):
+    """The process ran out of RAM / VRAM, or was killed for using too much."""
+
+    layer = "memory"
+
+
+class HardwareLayerError(InferCourseError):
+    """The hardware a step needs (a GPU, Apple Silicon, an instruction set) is absent."""
+
+    layer = "hardware"
+

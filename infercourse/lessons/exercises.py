@@ -1,16 +1,23 @@
-"""Self-checks for the exercises: a learner computes an answer, `check` says if it holds.
+"""Self-checks for the exercises, and the learner's own predictions.
 
 The expected value is always computed live by the notebook (from this machine's
 measurements), never typed in, so a check on a Mac Studio tests the same idea as on a
 laptop. An unanswered exercise (`None`) is reported as such and never fails the notebook,
 so `make course` runs every notebook top to bottom with the exercises still open.
+
+A wrong answer gets a hint, never the expected value: the learner keeps the exercise.
+`choose` is a concept check (multiple choice) that shows the reason once answered, right
+or wrong. `score_guess` turns the "Predict" step into the learner's own act: a `MY_GUESS`
+written before the ceiling is computed is scored against the ceiling and the measurement.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
-__all__ = ["check"]
+__all__ = ["check", "choose", "score_guess"]
+
+_UNANSWERED = "… not answered yet: replace `None` with your answer and re-run this cell."
 
 
 def check(answer: Any, expected: Any, *, rtol: float = 0.1, atol: float = 0.0,
@@ -19,21 +26,69 @@ def check(answer: Any, expected: Any, *, rtol: float = 0.1, atol: float = 0.0,
 
     Args:
         answer: the learner's value (None while unanswered).
-        expected: the value computed from this run's measurements.
+        expected: the value computed from this run's measurements (shown only once right).
         rtol, atol: numeric tolerance (relative, absolute).
-        explain: one line printed when the answer is off, pointing at the idea to revisit.
+        explain: the hint printed when the answer is off, pointing at the idea to revisit.
 
     Returns True/False, or None when unanswered.
     """
     if answer is None:
-        print("… not answered yet: replace `None` with your answer and re-run this cell.")
+        print(_UNANSWERED)
         return None
     if isinstance(expected, (int, float)) and isinstance(answer, (int, float)):
         ok = math.isclose(float(answer), float(expected), rel_tol=rtol, abs_tol=atol)
     else:
         ok = str(answer).strip().lower() == str(expected).strip().lower()
     if ok:
-        print(f"✓ correct ({answer!r}; measured/expected {expected!r})")
+        print(f"✓ correct ({answer!r}; this machine gives {expected!r})")
     else:
-        print(f"✗ not quite: you said {answer!r}, this machine gives {expected!r}. {explain}".rstrip())
+        print(f"✗ not quite ({answer!r}). Hint: {explain or 're-read the Explain section and try again.'}")
     return ok
+
+
+def choose(answer: str | None, options: Mapping[str, str], correct: str, why: str) -> bool | None:
+    """A concept check: pick one of `options` by its key; the reason is shown once answered.
+
+    Args:
+        answer: the learner's key, e.g. "b" (None while unanswered).
+        options: key -> option text, printed with the verdict.
+        correct: the right key.
+        why: the reasoning, shown after any answer (the point of the check).
+    """
+    if correct not in options:
+        raise ValueError(f"correct key {correct!r} is not one of {sorted(options)}")
+    if answer is None:
+        print(_UNANSWERED + " Options: " + "; ".join(f"{k}) {v}" for k, v in options.items()))
+        return None
+    key = str(answer).strip().lower()
+    if key not in options:
+        print(f"? {answer!r} is not an option; choose one of {', '.join(options)}")
+        return False
+    ok = key == correct
+    print(f"{'✓ right' if ok else '✗ not this one'}: {key}) {options[key]}\nWhy: {why}")
+    return ok
+
+
+def score_guess(guess: float | None, ceiling: float, measured: float, *, unit: str = "") -> dict[str, Any] | None:
+    """Score a prediction made before measuring: how far it was from the computed ceiling
+    and from what this machine really did, as ratios (1.0 = exact).
+
+    Args:
+        guess: the learner's `MY_GUESS` (None: not guessed; nothing to score).
+        ceiling: the back-of-envelope bound computed in the Predict step.
+        measured: the measurement.
+        unit: printed after the numbers, e.g. "tok/s".
+    """
+    if guess is None:
+        print("No guess recorded: set MY_GUESS before the Predict cell next time, then compare.")
+        return None
+    if not all(math.isfinite(x) and x > 0 for x in (float(guess), ceiling, measured)):
+        raise ValueError("guess, ceiling and measurement must be positive numbers")
+    out = {"guess": float(guess), "ceiling": ceiling, "measured": measured,
+           "guess_over_measured": guess / measured, "guess_over_ceiling": guess / ceiling,
+           "measured_over_ceiling": measured / ceiling}
+    closer = "the ceiling" if abs(math.log(guess / ceiling)) < abs(math.log(guess / measured)) else "the measurement"
+    print(f"your guess {guess:.4g} {unit} · ceiling {ceiling:.4g} {unit} · measured {measured:.4g} {unit}\n"
+          f"guess/measured = {out['guess_over_measured']:.2f}, measured/ceiling = "
+          f"{out['measured_over_ceiling']:.0%}; your guess was closer to {closer}.")
+    return out
