@@ -11,6 +11,8 @@ commands:
   report DIR...     compare saved runs side by side
   course [--out D]  execute every notebook headless, write executed copies + HTML to D
   formats           derive the embedded model's formats (HF, F16, quant ladder, MLX)
+  serve llama|mlx|vllm  one server in the foreground on 127.0.0.1, until Ctrl-C
+  soak ...          load a server for a bounded time; sample memory, queue, crashes
 
 `infercourse COMMAND --help` documents each command's options."""
 
@@ -37,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "course":
         from infercourse.course import course_main
         return course_main(rest)
+    if cmd == "serve":
+        from infercourse.ops.serve import serve_main
+        return serve_main(rest)
+    if cmd == "soak":
+        from infercourse.ops.soak import soak_main
+        return soak_main(rest)
     if cmd == "formats":
         from infercourse.models.formats import main as formats_main
         return formats_main(rest) or 0

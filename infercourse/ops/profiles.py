@@ -18,6 +18,7 @@ the hardware layer, why it cannot run here.
 """
 from __future__ import annotations
 
+import importlib.util
 import platform
 import shutil
 import sys
@@ -48,6 +49,10 @@ class Profile:
         n_requests: requests per measured level.
         prompt_tokens, max_tokens: the synthetic request's prompt and forced output length.
         soak_s: default soak duration (seconds; 24 h = 86400 is one edit away).
+        contexts: prompt lengths (tokens) for context-growth sweeps (notebook 11).
+        kv_types: KV-cache element types to compare (llama.cpp `-ctk/-ctv`).
+        memory_budget_mib: the memory a "when do I run out?" prediction plans for
+            (on a GPU: its VRAM; None: this machine's available RAM).
     """
 
     name: str
@@ -65,6 +70,9 @@ class Profile:
     prompt_tokens: int = 128
     max_tokens: int = 32
     soak_s: float = 120.0
+    contexts: tuple[int, ...] = (64, 512, 1536)
+    kv_types: tuple[str, ...] = ("f16", "q8_0", "q4_0")
+    memory_budget_mib: float | None = 512.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def with_(self, **changes: Any) -> "Profile":
@@ -77,11 +85,11 @@ PROFILES: dict[str, Profile] = {
     "mac": Profile("mac", needs="apple-silicon", engines=("llamacpp", "mlx"), servers=("llama", "mlx"),
                    threads=None, n_gpu_layers=-1, ctx_size=16384, parallel=8,
                    concurrencies=(1, 2, 4, 8, 16), n_requests=64, prompt_tokens=512, max_tokens=128,
-                   soak_s=600.0),
+                   soak_s=600.0, contexts=(512, 4096, 12288), memory_budget_mib=None),
     "gpu": Profile("gpu", needs="nvidia-gpu", engines=("llamacpp",), servers=("llama", "vllm"),
                    threads=None, n_gpu_layers=-1, ctx_size=32768, parallel=16,
                    concurrencies=(1, 4, 16, 32, 64), n_requests=256, prompt_tokens=1024, max_tokens=256,
-                   soak_s=1800.0),
+                   soak_s=1800.0, contexts=(1024, 8192, 28672), memory_budget_mib=None),
 }
 
 
@@ -102,8 +110,11 @@ def _has(needs: str | None) -> bool:
         return True
     if needs == "apple-silicon":
         return sys.platform == "darwin" and platform.machine() == "arm64"
-    if needs == "nvidia-gpu":
-        return shutil.which("nvidia-smi") is not None
+    if needs == "nvidia-gpu":   # a driver tool alone is not a GPU: ask NVML / nvidia-smi for one
+        if shutil.which("nvidia-smi") is None and importlib.util.find_spec("pynvml") is None:
+            return False
+        from infercourse.measure.hardware import gpu_stats
+        return bool(gpu_stats())
     raise ValueError(f"unknown hardware requirement {needs!r}")
 
 

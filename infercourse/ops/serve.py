@@ -1,0 +1,95 @@
+"""`infercourse serve`: one inference server in the foreground, for a workshop or your own tools.
+
+It is the same `servers.LlamaServer` / `MLXServer` / `VLLMServer` the notebooks start, on
+127.0.0.1, with its log in a file and the watchdog behind it, but held open until you
+stop it: it prints the URL to point a client at (`OpenAIHTTPEngine(url)`, `curl`, an
+agent framework, `infercourse bench --engine http --url ...`), then waits. Ctrl-C or
+SIGTERM stops it, and so does the server dying on its own (the exit code says which).
+
+    infercourse serve llama --parallel 4 --ctx 8192 --threads 2
+    infercourse serve llama --model ~/models/qwen2.5-7b-q4_k_m.gguf --ngl -1 -- --flash-attn on
+    infercourse serve mlx --model ~/.cache/infercourse/.../mlx
+    infercourse serve vllm --model ./hf-folder --ctx 4096
+
+Anything after `--` goes to the server unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+__all__ = ["serve_parser", "make_server", "serve_main"]
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infercourse serve", description=(
+        "Run one inference server on 127.0.0.1 in the foreground: print its URL, log to a "
+        "file, stop it on Ctrl-C or SIGTERM. Arguments after `--` go to the server as they are."))
+    p.add_argument("engine", choices=["llama", "mlx", "vllm"],
+                   help="llama: llama.cpp's llama-server; mlx: mlx_lm.server; vllm: vLLM's OpenAI server")
+    p.add_argument("--model", help="llama: a .gguf (default: the embedded SmolLM2-135M Q4_1); "
+                                   "mlx: an MLX folder; vllm: an HF folder (default: the embedded model's)")
+    p.add_argument("--port", type=int, help="port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--parallel", type=int, default=4, help="llama: slots decoded together (-np, default 4)")
+    p.add_argument("--ctx", type=int, default=4096,
+                   help="context tokens: llama: total over all slots (-c); vllm: --max-model-len (default 4096)")
+    p.add_argument("--threads", type=int, help="llama: CPU threads (-t; default: llama.cpp's choice)")
+    p.add_argument("--ngl", type=int, help="llama: layers offloaded to the GPU (-ngl; -1: all)")
+    p.add_argument("--cache-ram", type=int, help="llama: host-RAM prompt cache in MiB (0: off)")
+    p.add_argument("--startup-timeout", type=float, help="seconds to wait for /health (model load)")
+    return p
+
+
+def make_server(a: argparse.Namespace, extra: list[str]):
+    """The `servers.Server` the parsed arguments describe (not started)."""
+    kw = {"port": a.port, "startup_timeout_s": a.startup_timeout}
+    if a.engine == "llama":
+        from infercourse.servers import LlamaServer
+        if a.ngl is not None:
+            extra = ["-ngl", str(a.ngl), *extra]
+        return LlamaServer(a.model, n_parallel=a.parallel, ctx_size=a.ctx, threads=a.threads,
+                           cache_ram_mib=a.cache_ram, extra_args=extra, **kw)
+    if a.engine == "mlx":
+        from infercourse.models.formats import mlx_folder
+        from infercourse.servers import MLXServer
+        return MLXServer(Path(a.model) if a.model else mlx_folder(), extra_args=extra, **kw)
+    from infercourse.models.formats import hf_folder
+    from infercourse.servers import VLLMServer
+    return VLLMServer(Path(a.model) if a.model else hf_folder(), max_model_len=a.ctx, extra_args=extra, **kw)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`infercourse serve`: 0 after Ctrl-C/SIGTERM, 1 if the server failed or died."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    a = serve_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    from infercourse.core.errors import InferCourseError
+    stop = threading.Event()
+    # SIGTERM (systemd, docker stop, `kill`) ends it like Ctrl-C does; the previous handlers
+    # come back on the way out, so a caller embedding serve_main keeps its own.
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    srv = None
+    try:
+        srv = make_server(a, extra)
+        print(f"starting {srv.name} on 127.0.0.1:{srv.port} (log: {srv.log_path}) ...", flush=True)
+        srv.start()
+        print(f"serving {srv.name} at {srv.url}  (OpenAI API: {srv.base_url})\n"
+              f"pid {srv.pid} · log {srv.log_path}\nCtrl-C to stop", flush=True)
+        while not stop.wait(0.5):
+            if not srv.running:
+                print(f"{srv.name} exited by itself; last log lines:\n{srv.log_tail(15)}",
+                      file=sys.stderr, flush=True)
+                return 1
+        print(f"stopping {srv.name} ...", flush=True)
+        return 0
+    except InferCourseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if srv is not None:
+            srv.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
