@@ -7,6 +7,8 @@ USAGE = """usage: infercourse COMMAND [ARGS]
 
 commands:
   doctor env        the environment report: hardware, versions, usable engines
+  doctor layers URL walk API -> server -> ... -> hardware; name the first failing layer
+  faults list|run   real faults on a local server (loopback, bounded, undone), diagnosed
   bench ...         run a load pattern against an engine, save a results folder
   report DIR...     compare saved runs side by side
   course [--out D]  execute every notebook headless, write executed copies + HTML to D
@@ -23,9 +25,15 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     cmd, rest = argv[0], argv[1:]
+    if cmd == "doctor" and rest[:1] == ["layers"]:
+        from infercourse.ops.faultlab import layers_main
+        return layers_main(rest[1:])
+    if cmd == "faults":
+        from infercourse.ops.faultlab import faults_main
+        return faults_main(rest)
     if cmd == "doctor":
         if rest not in ([], ["env"]):
-            print("usage: infercourse doctor env", file=sys.stderr)
+            print("usage: infercourse doctor env | doctor layers URL", file=sys.stderr)
             return 2
         from infercourse.ops.doctor import print_report
         print_report()

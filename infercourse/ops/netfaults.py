@@ -1,0 +1,241 @@
+"""Network faults between client and server: a small fault-injecting reverse proxy.
+
+Between an agent and its model server there is a wire, and sometimes a proxy, a tunnel or
+a load balancer. Faults there look like model or server faults to the user ("it hangs",
+"the answer stops halfway") while the server is perfectly healthy. `FaultProxy` sits on
+127.0.0.1 in front of a local server and breaks the wire in one named way:
+
+| fault             | what the proxy does                                   | what a client sees          |
+|-------------------|-------------------------------------------------------|-----------------------------|
+| `latency`         | delivers every chunk `delay_s` late (a longer wire)    | TTFT up, token gaps unchanged |
+| `slow_first_byte` | holds the response head back `delay_s`                | TTFT up, then normal speed  |
+| `reset`           | TCP RST after `after_events` SSE events               | "connection reset" mid-answer |
+| `cut`             | ends the stream cleanly after `after_events` events   | an answer with no `[DONE]`  |
+| `5xx`             | answers 502 Bad Gateway, like nginx with no upstream  | HTTP 502 on every call      |
+
+It acts on the SSE stream event by event: the upstream body is split at the blank line
+that ends each `data:` event, so "after 3 events" means 3 tokens' worth of answer.
+Faults stop after `max_s` (the proxy then passes traffic through), and the proxy itself
+stops on `with` exit and at interpreter exit.
+
+Why not mitmproxy (evaluated first, as a well-kept intercepting proxy): its reverse mode
+and `flow.response.stream` callables can rewrite an SSE stream chunk by chunk, but (1)
+mitmproxy >= 11.1 needs Python >= 3.12 and this course supports 3.10; (2) 11.0.2, the last
+for 3.11, pins `h11<=0.14` while httpx's httpcore needs h11 >= 0.16, and pulls 37 packages
+(Flask, tornado, cryptography, aioquic, urwid...) into the course environment; (3) the
+stream callable is synchronous, so a per-chunk delay would block every other flow, and no
+addon hook sends a TCP RST mid-body. This proxy is ~150 lines on asyncio and `h11` (the
+HTTP/1.1 state machine httpx itself uses), and does exactly these five faults.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import h11
+
+from infercourse.core.errors import ServerLayerError
+from infercourse.servers.process import HOST, free_port
+
+__all__ = ["SYMPTOMS", "FaultProxy", "client_engine"]
+
+SYMPTOMS = {  # name -> (what the user sees, what is done)
+    "latency": ("everything arrives late: TTFT up by a constant", "+delay on every chunk"),
+    "slow_first_byte": ("long wait before anything, then normal speed", "response head held back"),
+    "reset": ("the answer stops mid-stream: connection reset", "TCP RST after a few events"),
+    "cut": ("the answer ends early, with no [DONE]", "stream closed cleanly after a few events"),
+    "5xx": ("every call fails with HTTP 502", "502 Bad Gateway instead of forwarding"),
+}
+DEFAULT_DELAY_S = {"latency": 1.0, "slow_first_byte": 2.0}
+_LIVE: set["FaultProxy"] = set()
+
+
+def client_engine(url: str, timeout_s: float = 10.0):
+    """An OpenAIHTTPEngine for a client of the proxy (short read timeout)."""
+    from infercourse.engines.openai_http import OpenAIHTTPEngine
+    return OpenAIHTTPEngine(url, timeout=timeout_s)
+
+
+async def _next(reader: asyncio.StreamReader, conn: h11.Connection):
+    """The next h11 event, reading more bytes as needed (b"" at EOF)."""
+    while True:
+        ev = conn.next_event()
+        if ev is not h11.NEED_DATA:
+            return ev
+        conn.receive_data(await reader.read(65536))
+
+
+class FaultProxy:
+    """A reverse proxy on 127.0.0.1 that breaks the wire in one named way.
+
+    Args:
+        upstream: the server root, e.g. "http://127.0.0.1:8080" (loopback only).
+        fault: one of `SYMPTOMS`, or None to pass everything through.
+        delay_s: the delay of `latency` and `slow_first_byte` (defaults 1 s, 2 s).
+        after_events: SSE events delivered before `reset` or `cut` strikes.
+        max_s: the fault lasts this long, then the proxy passes traffic through.
+    """
+
+    def __init__(self, upstream: str, fault: str | None, *, delay_s: float | None = None,
+                 after_events: int = 3, max_s: float = 60.0):
+        if fault is not None and fault not in SYMPTOMS:
+            raise ValueError(f"unknown network fault {fault!r}; choose one of {sorted(SYMPTOMS)}")
+        host_port = upstream.split("://", 1)[-1].rstrip("/").removesuffix("/v1")
+        self.up_host, _, port = host_port.partition(":")
+        if self.up_host not in ("127.0.0.1", "localhost", "::1"):
+            raise ServerLayerError(f"the fault proxy only fronts loopback servers, not {self.up_host}")
+        self.up_port = int(port or 80)
+        self.fault, self.after_events, self.max_s = fault, after_events, max_s
+        self.delay_s = delay_s if delay_s is not None else DEFAULT_DELAY_S.get(fault or "", 0.0)
+        self.port = free_port()
+        self.counts = {"requests": 0, "faulted": 0}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._until = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def active(self) -> bool:
+        return self.fault is not None and time.monotonic() < self._until
+
+    def describe(self) -> dict[str, Any]:
+        return {"fault": self.fault, "url": self.url, "upstream": f"http://{self.up_host}:{self.up_port}",
+                "delay_s": self.delay_s, "after_events": self.after_events, "max_s": self.max_s, **self.counts}
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> "FaultProxy":
+        ready = threading.Event()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            server = self._loop.run_until_complete(asyncio.start_server(self._handle, HOST, self.port))
+            ready.set()
+            try:
+                self._loop.run_forever()
+            finally:
+                server.close()
+                for task in asyncio.all_tasks(self._loop):
+                    task.cancel()
+                self._loop.run_until_complete(asyncio.sleep(0))
+                self._loop.close()
+
+        self._until = time.monotonic() + self.max_s
+        self._thread = threading.Thread(target=run, daemon=True, name=f"fault-proxy-{self.port}")
+        self._thread.start()
+        if not ready.wait(10):
+            raise ServerLayerError(f"fault proxy did not start on {self.url}")
+        _LIVE.add(self)
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(5)
+        _LIVE.discard(self)
+
+    def __enter__(self) -> "FaultProxy":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- one client connection: one request, then close -----------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        down = h11.Connection(h11.SERVER)
+        try:
+            req, body = await _next(reader, down), b""
+            if not isinstance(req, h11.Request):
+                return
+            while not isinstance(ev := await _next(reader, down), h11.EndOfMessage):
+                body += ev.data if isinstance(ev, h11.Data) else b""
+            self.counts["requests"] += 1
+            active = self.active
+            if active and self.fault == "5xx":
+                self.counts["faulted"] += 1
+                page = b"<html><body><h1>502 Bad Gateway</h1></body></html>"
+                writer.write(down.send(h11.Response(status_code=502, headers=[
+                    ("content-type", "text/html"), ("content-length", str(len(page))), ("connection", "close")])))
+                writer.write(down.send(h11.Data(data=page)) + down.send(h11.EndOfMessage()))
+                await writer.drain()
+                return
+            await self._forward(req, body, down, writer, active)
+        except (ConnectionError, h11.ProtocolError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def _forward(self, req: h11.Request, body: bytes, down: h11.Connection,
+                       writer: asyncio.StreamWriter, active: bool) -> None:
+        ur, uw = await asyncio.open_connection(self.up_host, self.up_port)
+        up = h11.Connection(h11.CLIENT)
+        headers = [(k, v) for k, v in req.headers if k not in (b"host", b"connection")]
+        headers += [(b"host", f"{self.up_host}:{self.up_port}".encode()), (b"connection", b"close")]
+        uw.write(up.send(h11.Request(method=req.method, target=req.target, headers=headers)))
+        uw.write(up.send(h11.Data(data=body)) + up.send(h11.EndOfMessage()))
+        await uw.drain()
+        resp = await _next(ur, up)
+        sse = any(k == b"content-type" and b"event-stream" in v for k, v in resp.headers)
+        queue: asyncio.Queue = asyncio.Queue()   # read on while the head is held back
+        reading = asyncio.ensure_future(self._read_body(ur, up, sse, queue))
+        try:
+            if active and self.fault in ("slow_first_byte", "latency"):
+                self.counts["faulted"] += 1
+                await asyncio.sleep(self.delay_s)
+            keep = [(k, v) for k, v in resp.headers if k not in (b"transfer-encoding", b"content-length", b"connection")]
+            writer.write(down.send(h11.Response(status_code=resp.status_code,
+                                                headers=keep + [(b"connection", b"close")])))
+            n_events = 0
+            while (item := await queue.get()) is not None:
+                t, data = item
+                if active and self.fault == "latency":   # each chunk delay_s after it came in
+                    await asyncio.sleep(max(0.0, t + self.delay_s - time.monotonic()))
+                if sse and data.startswith(b"data:"):
+                    n_events += 1
+                if active and sse and self.fault in ("reset", "cut") and n_events > self.after_events:
+                    self.counts["faulted"] += 1
+                    if self.fault == "reset":   # linger 0: close() sends RST, not FIN
+                        sock = writer.get_extra_info("socket")
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        writer.transport.abort()
+                        return
+                    break
+                writer.write(down.send(h11.Data(data=data)))
+                await writer.drain()
+            writer.write(down.send(h11.EndOfMessage()))
+            await writer.drain()
+        finally:
+            reading.cancel()
+            uw.close()
+
+    @staticmethod
+    async def _read_body(ur: asyncio.StreamReader, up: h11.Connection, sse: bool, queue: asyncio.Queue) -> None:
+        """Upstream body -> queue of (arrival time, bytes): whole SSE events when `sse`."""
+        buf = b""
+        try:
+            while isinstance(ev := await _next(ur, up), h11.Data):
+                if not sse:
+                    await queue.put((time.monotonic(), bytes(ev.data)))
+                    continue
+                buf += ev.data
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    await queue.put((time.monotonic(), event + b"\n\n"))
+            if buf:
+                await queue.put((time.monotonic(), buf))
+        finally:
+            await queue.put(None)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for proxy in list(_LIVE):
+        proxy.stop()
