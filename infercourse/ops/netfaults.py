@@ -51,7 +51,7 @@ SYMPTOMS = {  # name -> (what the user sees, what is done)
     "cut": ("the answer ends early, with no [DONE]", "stream closed cleanly after a few events"),
     "5xx": ("every call fails with HTTP 502", "502 Bad Gateway instead of forwarding"),
 }
-DEFAULT_DELAY_S = {"latency": 1.0, "slow_first_byte": 2.0}
+DEFAULT_DELAY_S = {"latency": 1.5, "slow_first_byte": 2.0}
 _LIVE: set["FaultProxy"] = set()
 
 
@@ -76,7 +76,7 @@ class FaultProxy:
     Args:
         upstream: the server root, e.g. "http://127.0.0.1:8080" (loopback only).
         fault: one of `SYMPTOMS`, or None to pass everything through.
-        delay_s: the delay of `latency` and `slow_first_byte` (defaults 1 s, 2 s).
+        delay_s: the delay of `latency` and `slow_first_byte` (defaults 1.5 s, 2 s).
         after_events: SSE events delivered before `reset` or `cut` strikes.
         max_s: the fault lasts this long, then the proxy passes traffic through.
     """

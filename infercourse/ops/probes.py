@@ -178,18 +178,25 @@ def collect_http(url: str, *, server: Any = None, pid: int | None = None, log_pa
     ev: dict[str, Any] = {"kind": "http", "target": root}
     port = httpx.URL(root).port
     pid = pid or getattr(server, "pid", None) or _listener_pid(port)
+    proc = process_info(pid)
     with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0))) as c:
         models = _get(c, root + "/v1/models")
         data = models.get("body", {}).get("data") if isinstance(models.get("body"), dict) else None
         model = data[0].get("id", "default") if data else "default"
-        ev["api"] = {"models": models, "stream": {"ok": False, "error": "refused", "refused": True}
-                     if models.get("error") == "refused" else _probe_stream(root, model, timeout_s)}
+        # a dead, stopped or silent server would make every further probe wait its timeout
+        silent = models.get("error") in ("refused", "timeout") or proc.get("status") in ("stopped", "gone")
+        ev["api"] = {"models": models, "stream": _probe_stream(root, model, timeout_s) if not silent else
+                     {"ok": False, "error": f"not tried: /v1/models {models.get('error') or 'ok'}",
+                      "refused": models.get("error") == "refused", "timed_out": models.get("error") == "timeout"}}
         direct = getattr(server, "url", None)
-        ev["server"] = {"health": _get(c, root + "/health"), "direct_url": direct,
-                        "direct_health": _get(c, direct + "/health") if direct and direct != root else None,
-                        "process": process_info(pid), **_log_info(server, log_path)}
+        direct = direct if direct and direct != root else None
+        known_down = proc.get("status") in ("stopped", "gone")
+        health = models if silent else _get(c, root + "/health")
+        ev["server"] = {"health": health, "direct_url": direct, "process": proc, **_log_info(server, log_path),
+                        "direct_health": None if not direct else health if known_down else _get(c, direct + "/health")}
         base = direct or root   # the server's own endpoints: ask it directly when we can
-        slots, metrics, props = (_get(c, base + p) for p in ("/slots", "/metrics", "/props"))
+        answers = bool((ev["server"]["direct_health"] or health).get("status"))
+        slots, metrics, props = (_get(c, base + p) if answers else {} for p in ("/slots", "/metrics", "/props"))
         ev["engine"] = {"slots": slots.get("body") if isinstance(slots.get("body"), list) else None,
                         "metrics": parse_metrics(metrics["body"]) if isinstance(metrics.get("body"), str) else {}}
         p = props.get("body") if isinstance(props.get("body"), dict) else {}

@@ -1,0 +1,107 @@
+"""Notebook 15: which layer is it? The layered procedure, practised on real faults.
+
+The procedure (`PROCEDURE`) confirms the layers from the outside in and stops at the first
+one that fails. A drill (`run_drill`) injects one fault from the fault lab, records what a
+client saw, runs `doctor layers` while the fault is in place, and undoes it, all in one
+call, so no fault ever outlives a cell. The notebook shows the symptom first; the learner
+names a layer (`choose`); only then does it print the doctor's report.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from infercourse.core.errors import LAYERS, InferCourseError
+from infercourse.ops.faults import FAULTS, run_fault
+
+__all__ = ["PROCEDURE", "NOT_HERE", "OPTIONS", "Drill", "key_of", "procedure_table", "run_drill", "drills_table"]
+
+PROCEDURE = [  # (layer, the question, the evidence that answers it)
+    ("API", "Does anything answer, in the OpenAI schema, with a stream and usage?", "/v1/models, one streamed request"),
+    ("server", "Is the process alive, running, healthy? What does its log say?", "/health, process state, log tail"),
+    ("engine", "Are requests waiting for a slot?", "/slots, requests_deferred"),
+    ("runtime", "Which build, backend, threads?", "/props build_info, command line"),
+    ("model", "Is the file there, whole, with a template that renders our turns?", "/props, /apply-template"),
+    ("context", "Does the prompt plus the answer fit the per-slot window?", "/tokenize vs n_ctx"),
+    ("KV cache", "How full is the cache?", "kv_cache_usage_ratio (where exported)"),
+    ("memory", "Server RSS, free RAM, swap?", "psutil"),
+    ("hardware", "Is the CPU shared? Is the GPU there?", "load average, nvidia-smi"),
+]
+
+# Layers no fault of the lab reaches on a CPU-only laptop, and why (said, never faked).
+NOT_HERE = {
+    "runtime": "a runtime bug needs a broken build; the lab will not ship one (see the runtime check's evidence)",
+    "KV cache": "this llama-server build no longer exports KV usage, and filling it takes minutes of decoding",
+    "hardware": "no GPU here to lose; CPU contention is shown in notebook 16 (tokens slow)",
+}
+
+OPTIONS = {chr(ord("a") + i): layer for i, layer in enumerate(LAYERS)}
+
+
+def key_of(layer: str) -> str:
+    """The `choose` key of a layer, e.g. key_of("server") == "b"."""
+    return next(k for k, v in OPTIONS.items() if v == layer)
+
+
+def procedure_table() -> pd.DataFrame:
+    return pd.DataFrame(PROCEDURE, columns=["layer", "question", "evidence"]).set_index("layer")
+
+
+@dataclass
+class Drill:
+    """One fault, its symptom, and the doctor's report taken while it was in place."""
+
+    fault: str
+    symptom: str
+    client_error: str | None
+    expected: str
+    report: Any = None
+    seconds: float = 0.0
+    skipped: str | None = None
+
+    def show_symptom(self) -> None:
+        """What the user sees, and nothing more (the layer comes after your guess)."""
+        if self.skipped:
+            print(f"[{self.fault}] skipped on this machine: {self.skipped}")
+            return
+        print(f"Symptom: {self.symptom}")
+        print(f"A client saw: {self.client_error or 'no error, only slowness'}")
+
+    def why(self) -> str:
+        """The reason, shown once the learner has chosen."""
+        f = FAULTS[self.fault]
+        hit = self.report.failed if self.report else None
+        return (f"the fault was '{f.name}' ({f.how}); the first layer whose own evidence fails is {f.layer}"
+                + (f": {hit.summary}" if hit else ""))
+
+    def row(self) -> dict[str, Any]:
+        return {"fault": self.fault, "symptom": self.symptom, "expected": self.expected,
+                "doctor named": self.report.layer if self.report else None,
+                "doctor s": round(self.report.seconds, 2) if self.report else None,
+                "inject+diagnose+undo s": round(self.seconds, 2), "skipped": self.skipped}
+
+
+def run_drill(name: str, server=None, *, seconds: float = 20.0, timeout_s: float = 3.0) -> Drill:
+    """Inject fault `name`, diagnose it, undo it; a fault this machine cannot make is skipped.
+
+    Args:
+        name: a fault of `infercourse.ops.faults.FAULTS`.
+        server: a running LlamaServer lent to the fault (handed back healthy).
+        seconds: the longest the fault may last.
+        timeout_s: how long each doctor probe waits.
+    """
+    f = FAULTS[name]
+    t0 = time.perf_counter()
+    try:
+        r = run_fault(name, server, seconds=seconds, timeout_s=timeout_s)
+    except InferCourseError as e:
+        return Drill(name, f.symptom, None, f.layer, skipped=str(e), seconds=time.perf_counter() - t0)
+    return Drill(name, f.symptom, r.client_error, f.layer, r.report, time.perf_counter() - t0)
+
+
+def drills_table(drills: list[Drill]) -> pd.DataFrame:
+    """One row per drill: expected layer, the doctor's answer, and its time."""
+    return pd.DataFrame([d.row() for d in drills]).set_index("fault")

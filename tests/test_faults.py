@@ -1,0 +1,70 @@
+"""Server faults on a real llama-server (embedded model, 1 thread, 2 slots of 512 tokens):
+each is injected for real, the doctor must name the fault's layer, and every fault must be
+undone: no process stopped, no server left behind, a lent server handed back healthy."""
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from infercourse.ops.faults import FAULTS, inject, run_fault, small_server, stopped_pids
+
+pytestmark = pytest.mark.slow
+SERVER_FAULTS = ["killed", "frozen", "overloaded", "context_overflow"]
+START_FAULTS = ["memory_limited", "model_missing", "model_corrupt", "template_breaks_tools"]
+
+
+def _servers_of_ours() -> set[int]:
+    me = psutil.Process()
+    return {p.pid for p in me.children(recursive=True) if "llama-server" in " ".join(p.cmdline()[:3])}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with small_server() as srv:
+        yield srv
+
+
+def test_catalogue_names_every_fault_by_symptom_and_layer():
+    assert set(SERVER_FAULTS + START_FAULTS) <= set(FAULTS)
+    from infercourse.core.errors import LAYERS
+    assert all(f.symptom and f.layer in LAYERS for f in FAULTS.values())
+    with pytest.raises(ValueError, match="unknown fault"):
+        with inject("gremlins"):
+            pass
+
+
+@pytest.mark.parametrize("name", SERVER_FAULTS)
+def test_server_fault_is_named_and_undone(server, name):
+    r = run_fault(name, server, seconds=30, timeout_s=5)
+    print(r.row())
+    assert r.named == FAULTS[name].layer, str(r.report)
+    assert not stopped_pids()
+    proc = psutil.Process(server.pid)       # handed back running, and answering
+    assert proc.status() != psutil.STATUS_STOPPED
+    assert server.engine(timeout=60).stream("Hi", max_tokens=2) is not None
+    assert list(server.engine(timeout=60).stream("Hi", max_tokens=2))[-1].done
+
+
+def test_killed_mid_stream_client_sees_a_cut_stream_and_log_has_the_signal(server):
+    with inject("killed", server) as f:
+        assert f.client_layer == "API" and "cut mid-way" in f.client_error
+        assert "code -9" in f.server.log_tail()
+        assert not psutil.pid_exists(f.notes["pid"]) or psutil.Process(f.notes["pid"]).status() == "zombie"
+
+
+def test_frozen_server_resumes_even_when_the_block_raises(server):
+    with pytest.raises(RuntimeError):
+        with inject("frozen", server) as f:
+            assert psutil.Process(server.pid).status() == psutil.STATUS_STOPPED
+            assert f.client_layer == "API"
+            raise RuntimeError("a cell failed")
+    assert psutil.Process(server.pid).status() != psutil.STATUS_STOPPED and not stopped_pids()
+
+
+@pytest.mark.parametrize("name", START_FAULTS)
+def test_start_fault_is_named_and_leaves_no_server(name):
+    before = _servers_of_ours()
+    r = run_fault(name, seconds=30, timeout_s=5)
+    print(r.row())
+    assert r.named == FAULTS[name].layer, str(r.report)
+    assert _servers_of_ours() <= before
