@@ -38,3 +38,35 @@ def test_ollama_client_has_an_httpx_client_at_its_host():
     import httpx
     client = compat.ollama_http_client(ollama.Client(host="http://127.0.0.1:9"))
     assert isinstance(client, httpx.Client) and str(client.base_url).startswith("http://127.0.0.1:9")
+
+
+@pytest.mark.slow
+def test_llama_cached_prefix_matches_what_generate_evaluates():
+    # The accessor predicts, from the runtime's state, how much of a prompt generate()
+    # reuses; llama.cpp's perf counters, read at the first token, say how much it really
+    # evaluated. The two must add up to the prompt for every kind of match.
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from infercourse.models import embedded_gguf
+    llm = llama_cpp.Llama(model_path=str(embedded_gguf()), n_ctx=256, n_threads=1, verbose=False)
+    ctx = compat.llama_context_ptr(llm)
+    tok = lambda s: llm.tokenize(s.encode(), add_bos=True)  # noqa: E731
+    a = tok("The sky is blue because of Rayleigh scattering of sunlight")
+    cases = [("cold", a, 0),
+             ("exactly the cache, from a live decode: nothing evaluated", a, len(a)),
+             ("extended by one token", a + tok(" in")[-1:], len(a)),
+             ("a prefix of the cache: last token replayed for logits", a, len(a) - 1),
+             ("diverges early", tok("The sea is green"), None)]
+    try:
+        llm.reset()
+        for name, prompt, expected in cases:
+            predicted = compat.llama_cached_prefix(llm, prompt)
+            llama_cpp.llama_perf_context_reset(ctx)
+            gen = llm.generate(prompt, top_k=1, reset=True)
+            next(gen)
+            perf = llama_cpp.llama_perf_context(ctx)
+            gen.close()
+            assert predicted + perf.n_p_eval + perf.n_eval == len(prompt), name
+            if expected is not None:
+                assert predicted == expected, name
+    finally:
+        llm.close()

@@ -114,33 +114,91 @@ def test_throughput_over_wall_window():
     assert tp["requests_per_s"] == pytest.approx(2 / 11.7)
 
 
-def test_summarize_bootstrap_contains_truth_and_is_seeded():
+def test_order_statistic_interval_covers_at_the_nominal_rate():
+    # §2.9: across many seeded samples from a known distribution, the interval holds the
+    # true quantile at (at least, and about) the nominal 95%, with no assumption on shape
     rng = np.random.default_rng(1)
+    n, trials = 120, 2000
+    for p, true in [(50, math.log(2)), (90, math.log(10))]:
+        l, u = S.order_stat_ci(n, p / 100, 0.95)
+        x = np.sort(rng.exponential(1.0, (trials, n)), axis=1)
+        cover = np.mean((x[:, l - 1] <= true) & (true <= x[:, u - 1]))
+        assert 0.935 <= cover <= 0.99, (p, cover)
+    # the interval is a pair of observed samples around the point estimate
     x = rng.exponential(1.0, 4000)
-    df = pd.DataFrame({"status": "ok", "ttft_s": x})
-    s = S.summarize(df, ["ttft_s"], seed=7)
+    row = S.summarize(pd.DataFrame({"status": "ok", "ttft_s": x}), ["ttft_s"]).loc["ttft_s"]
+    for p in (50, 99):
+        assert row[f"p{p}_lo"] <= row[f"p{p}"] <= row[f"p{p}_hi"]
+        assert row[f"p{p}_lo"] in x and row[f"p{p}_hi"] in x
+    assert row["n_too_small"] == "" and row["count"] == 4000 and row["max"] == x.max()
+
+
+def test_n_too_small_gives_nan_bounds_a_flag_and_says_so():
+    for q in (0.5, 0.9, 0.95, 0.99):
+        need = S.min_n(q)
+        assert S.order_stat_ci(need - 1, q) is None and S.order_stat_ci(need, q) is not None
+    assert (S.min_n(0.5), S.min_n(0.95), S.min_n(0.99)) == (6, 72, 368)
+    x = np.random.default_rng(0).exponential(1.0, 40)        # enough for p50 and p90 only
+    s = S.summarize(pd.DataFrame({"status": "ok", "ttft_s": x}), ["ttft_s"])
     row = s.loc["ttft_s"]
-    for p, true in [(50, math.log(2)), (90, math.log(10)), (99, math.log(100))]:
-        assert row[f"p{p}_lo"] <= true <= row[f"p{p}_hi"], p
-        assert row[f"p{p}_lo"] < row[f"p{p}"] < row[f"p{p}_hi"]
-    assert row["count"] == 4000 and row["min"] == x.min() and row["max"] == x.max()
-    pd.testing.assert_frame_equal(s, S.summarize(df, ["ttft_s"], seed=7))
-    assert S.summarize(df, ["ttft_s"], seed=8).loc["ttft_s", "p99_lo"] != row["p99_lo"]
+    assert row["n_too_small"] == "p95,p99"
+    assert math.isnan(row["p99_lo"]) and math.isnan(row["p99_hi"]) and not math.isnan(row["p99"])
+    assert not math.isnan(row["p90_lo"])
+    assert "n too small" in S.ci_text(s, "ttft_s", 99) and "368" in S.ci_text(s, "ttft_s", 99)
+    assert "[" in S.ci_text(s, "ttft_s", 50)
 
 
-def test_bootstrap_on_long_series():
-    # a long ITL-like series is resampled in batches (bounded memory) and still brackets
-    # the true median tightly
+def test_long_series_interval_is_tight():
     x = np.random.default_rng(3).exponential(1.0, 50_000)
-    s = S.summarize(pd.DataFrame({"status": "ok", "itl_s": x}), ["itl_s"], n_boot=200)
+    s = S.summarize(pd.DataFrame({"status": "ok", "itl_s": x}), ["itl_s"])
     assert s.loc["itl_s", "p50_lo"] <= math.log(2) <= s.loc["itl_s", "p50_hi"]
     assert s.loc["itl_s", "p50_hi"] - s.loc["itl_s", "p50_lo"] < 0.05
 
 
-def test_summarize_drops_errors():
+def test_summarize_excludes_errors_visibly():
     df = M.per_request_frame([multi_chunk(), errored()])
-    assert S.summarize(df, ["ttft_s"]).loc["ttft_s", "count"] == 1
-    assert S.summarize(df, ["ttft_s"], ok_only=False).loc["ttft_s", "count"] == 2
+    s = S.summarize(df, ["ttft_s"])
+    assert s.loc["ttft_s", "count"] == 1 and s.loc["ttft_s", "excluded"] == 1
+    assert S.summarize(df, ["ttft_s"], failures="inf").loc["ttft_s", "count"] == 2
+
+
+def test_summary_counts_every_status_and_offers_a_conservative_view():
+    # §2.2: ok / error / incomplete counted; failures="inf" keeps them at the tail
+    cut = RequestTrace(request_id=9, scheduled_t=0.0, sent_t=0.0, chunk_t=[2.0], chunk_tokens=[1],
+                       end_t=5.0, status="incomplete")
+    df = M.per_request_frame([multi_chunk(), empty_first(), errored(), cut])
+    s = S.summarize(df, ["ttft_s", "e2e_s", "decode_tok_per_s"])
+    assert s.attrs["status_counts"] == {"ok": 2, "error": 1, "incomplete": 1, "total": 4}
+    assert s.loc["ttft_s", "count"] == 2 and s.loc["ttft_s", "excluded"] == 2
+    c = S.summarize(df, ["ttft_s", "e2e_s", "decode_tok_per_s"], failures="inf")
+    assert c.loc["e2e_s", "count"] == 4 and c.loc["e2e_s", "excluded"] == 0
+    assert c.loc["e2e_s", "p99"] == math.inf and c.loc["e2e_s", "max"] == math.inf
+    assert c.loc["e2e_s", "p50"] > s.loc["e2e_s", "p50"]          # the tail moved right
+    assert c.loc["decode_tok_per_s", "min"] == 0.0                # speeds: failures count as 0
+    with pytest.raises(ValueError, match="failures"):
+        S.summarize(df, failures="drop")
+
+
+def test_pooled_itl_is_not_a_mean_of_means():
+    # §2.10: one request with a single 1.0 s gap, one with nine 0.1 s gaps
+    a = RequestTrace(request_id=0, scheduled_t=0, sent_t=0, chunk_t=[0.1, 1.1], chunk_tokens=[1, 1],
+                     end_t=1.1)
+    b = RequestTrace(request_id=1, scheduled_t=0, sent_t=0, chunk_t=[0.1 * k for k in range(1, 11)],
+                     chunk_tokens=[1] * 10, end_t=1.0)
+    trs = [a, b, errored()]
+    s = S.summarize(M.per_request_frame(trs), ["itl_mean_s"], itl=M.itl_frame(trs))
+    assert s.loc["itl_mean_s", "p50"] == pytest.approx(0.55)      # mean of per-request means
+    assert s.loc["itl_s", "count"] == 10 and s.loc["itl_s", "excluded"] == 1
+    assert s.loc["itl_s", "p50"] == pytest.approx(0.1)             # pooled gaps: vLLM's ITL
+    assert s.loc["itl_s", "max"] == pytest.approx(1.0)
+
+
+def test_prefill_speed_undefined_when_the_whole_prompt_was_cached():
+    # §2.6: no prefill work done: no speed (None), never 0.0
+    tr = multi_chunk()
+    tr.cached_tokens = tr.prompt_tokens
+    assert M.prefill_tok_per_s(tr) is None
+    assert math.isnan(M.per_request_frame([tr]).loc[0, "prefill_tok_per_s"])
 
 
 def test_goodput_all_slos_must_hold():
@@ -151,6 +209,21 @@ def test_goodput_all_slos_must_hold():
     assert S.goodput(df, {"ttft_s": 2.0})["n_good"] == 2
     assert S.goodput(df, {"ttft_s": 2.0, "tpot_s": 0.2})["n_good"] == 1
     assert S.goodput(df, {"decode_tok_per_s": 5})["n_good"] == 1    # lower bound: 8.3 vs 2
+    assert g["n_failed"] == 1 and g["n_unmeasurable"] == 1          # zero_output: no TTFT
+
+
+def test_goodput_undefined_is_not_met():
+    # §2.1: a server that buffers 200 tokens into one chunk has no ITL and no decode
+    # speed; that must not pass an ITL or decode SLO
+    buffered = RequestTrace(request_id=1, scheduled_t=0.0, sent_t=0.0, chunk_t=[0.3],
+                            chunk_tokens=[200], end_t=0.3, completion_tokens=200)
+    one = RequestTrace(request_id=2, scheduled_t=0, sent_t=0, chunk_t=[0.1], chunk_tokens=[1],
+                       end_t=0.1, completion_tokens=1)
+    df = M.per_request_frame([buffered, one, multi_chunk()])
+    for slo in ({"itl_max_s": 0.5}, {"decode_tok_per_s": 1.0}, {"tpot_s": 1.0, "itl_mean_s": 1.0}):
+        g = S.goodput(df, slo)
+        assert g["n_good"] == 1 and g["n_unmeasurable"] == 2, slo
+    assert S.goodput(df, {"ttft_s": 2.0})["n_unmeasurable"] == 0
 
 
 def test_goodput_validation():
@@ -197,3 +270,10 @@ def test_check_identity():
     tr.end_t = 11.6
     assert R.check_identity(tr)["ok"] is True
     assert R.check_identity(zero_output())["ok"] is None
+
+
+def test_engine_view_ollama_prefill_excludes_the_cache_when_the_server_counts_it():
+    # servers that send prompt_eval_cached_count count the whole prompt in prompt_eval_count
+    v = R.engine_view({"prompt_eval_count": 21, "prompt_eval_cached_count": 16})
+    assert v == {"prefill_tokens": 5.0, "cached_tokens": 16.0}
+    assert R.engine_view({"prompt_eval_count": 21}) == {"prefill_tokens": 21.0}

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from infercourse.core.types import Request, generate
-from infercourse.engines.ollama import OLLAMA_TIMING_FIELDS, OllamaEngine
+from infercourse.engines.ollama import OLLAMA_TIMING_FIELDS, OllamaEngine, prompt_counts
 from infercourse.core.errors import APILayerError, ModelLayerError
 
 # The final object of docs/api.md's streaming chat example, field for field.
@@ -96,14 +96,42 @@ def test_stream_and_server_timings(api, req):
     chunks, last = events[:-1], events[-1]
     assert [e.text for e in chunks] == ["The", " sky", " is"] and all(e.n_tokens == 1 for e in chunks)
     assert last.done and last.finish_reason == "stop"
-    assert {k: last.timings[k] for k in OLLAMA_TIMING_FIELDS} == {k: DONE_CHAT[k] for k in OLLAMA_TIMING_FIELDS}
+    assert {k: last.timings[k] for k in OLLAMA_TIMING_FIELDS} == {k: DONE_CHAT.get(k) for k in OLLAMA_TIMING_FIELDS}
     assert last.usage.source == "server"
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (26, 3)
+    # docs/api.md's shape has no cached count: the prompt's length is unknown (older
+    # servers count only evaluated tokens in prompt_eval_count), never guessed
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (None, 3)
+    assert last.timings["prompt_eval_count"] == 26 and "unknown" in last.timings["prompt_tokens_from"]
     path, body = standin.sent[-1]
     assert path == f"/api/{api}" and body["stream"] is True
     assert body["options"] == {"num_predict": 5, "temperature": 0.0, "seed": 3, "num_ctx": 2048}
     if api == "generate":
         assert body["raw"] is True and body["prompt"] == "Why is the sky blue?"
+
+
+# The final object as servers that report cache hits send it (Ollama's OpenAPI spec,
+# docs.ollama.com/openapi.yaml: `prompt_eval_cached_count` on ChatResponse and
+# GenerateStreamEvent; `prompt_eval_count` then includes the cached tokens), and as older
+# servers sent it when the whole prompt was cached: `prompt_eval_count` left out
+# (ollama/ollama#2068).
+DONE_CACHED = DONE_CHAT | {"prompt_eval_count": 21, "prompt_eval_cached_count": 16}
+DONE_ALL_CACHED_OLD = {k: v for k, v in DONE_CHAT.items() if k != "prompt_eval_count"}
+
+
+@pytest.mark.parametrize("done, prompt, cached", [(DONE_CACHED, 21, 16), (DONE_ALL_CACHED_OLD, None, None),
+                                                  (DONE_CHAT | {"prompt_eval_cached_count": 0}, 26, 0)])
+def test_prompt_counted_with_its_cached_tokens(done, prompt, cached):
+    # §2.8: prompt_eval_count alone excluded cached tokens on older servers and vanished
+    # when all were cached; the prompt was reported as 0 tokens
+    class Cached(StandIn):
+        def __call__(self, request):
+            if request.url.path != "/api/chat":
+                return super().__call__(request)
+            return httpx.Response(200, content=_ndjson([_chat_part("Hi"), done]))
+    eng = OllamaEngine("llama3.2", host="http://127.0.0.1:11434", transport=httpx.MockTransport(Cached()))
+    c = generate(eng, "hi")
+    assert (c.usage.prompt_tokens, c.usage.cached_tokens) == (prompt, cached)
+    assert prompt_counts(dict(done)) == (prompt, cached)
 
 
 def test_generate_folds_the_stream():

@@ -47,3 +47,13 @@ def test_record_calls_engine_stream():
             return _stream(request)
     tr = record(E(), 4)
     assert tr.completion_tokens == 4 and len(tr.chunk_t) == 4
+
+
+def test_incomplete_keeps_partial_timings_unless_the_stream_ended():
+    from infercourse.core.trace import STATUSES, trace_from_events
+    got = [Event(t=1.0, text="a", n_tokens=1), Event(t=1.2, text="b", n_tokens=1)]
+    tr = trace_from_events(got, request_id=1, scheduled_t=0.0, sent_t=0.5, incomplete=True, end_t=3.0)
+    assert tr.status == "incomplete" and tr.error is None and tr.end_t == 3.0
+    assert tr.chunk_t == [1.0, 1.2] and tr.completion_tokens == 2 and tr.status in STATUSES
+    done = got + [Event(t=1.3, done=True, usage=Usage(prompt_tokens=3, completion_tokens=2))]
+    assert trace_from_events(done, request_id=1, scheduled_t=0.0, sent_t=0.5, incomplete=True).status == "ok"

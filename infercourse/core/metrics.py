@@ -16,7 +16,9 @@ arrival times the client stamped. Definitions (all times in seconds):
 - ITL `itl_s` = gaps between consecutive token chunks, one per gap. A chunk may hold
   several tokens (speculative decoding, server-side batching of SSE), so ITL is per
   *chunk*, not per token (AIPerf: "inter chunk latency"); vLLM pools these gaps too.
-  GuideLLM's `inter_token_latency_ms` is a per-request mean, not a gap series.
+  GuideLLM's `inter_token_latency_ms` is a per-request mean, not a gap series. The
+  per-request frame keeps `itl_mean_s` (a mean per request) and `itl_max_s`; the pooled
+  gap series is `itl_frame`, whose percentiles `summary.summarize(..., itl=...)` reports.
 - decode speed `decode_tok_per_s` = (output tokens - first chunk's tokens) /
   (last token chunk - first token chunk): tokens made after the first arrived, over the
   time they took. Prefill speed `prefill_tok_per_s` = uncached prompt tokens /
@@ -116,11 +118,14 @@ def tokens_per_chunk(tr: RequestTrace) -> float | None:
 
 def prefill_tok_per_s(tr: RequestTrace) -> float | None:
     """Uncached prompt tokens (prompt - cached) / TTFT from send. Cached tokens are not
-    recomputed, so counting them would credit prefill with work it skipped."""
+    recomputed, so counting them would credit prefill with work it skipped. None when
+    nothing was prefilled (the whole prompt came from the cache): a speed of no work is
+    undefined, and a 0.0 would drag every median down."""
     ttft = ttft_from_send_s(tr)
     if tr.prompt_tokens is None or not ttft or ttft <= 0:
         return None
-    return (tr.prompt_tokens - (tr.cached_tokens or 0)) / ttft
+    uncached = tr.prompt_tokens - (tr.cached_tokens or 0)
+    return uncached / ttft if uncached > 0 else None
 
 
 def decode_tok_per_s(tr: RequestTrace) -> float | None:

@@ -24,16 +24,21 @@ ENGINE_FIELDS: dict[str, tuple[str, float]] = {
     "prompt_ms": ("prefill_s", 1e-3), "prompt_n": ("prefill_tokens", 1),
     "predicted_ms": ("decode_s", 1e-3), "predicted_n": ("decode_tokens", 1),
     "cache_n": ("cached_tokens", 1),
-    # Ollama final chunk, nanoseconds
+    # Ollama final chunk, nanoseconds. prompt_eval_count is the evaluated tokens on older
+    # servers; where prompt_eval_cached_count is sent it is the whole prompt (see below)
     "prompt_eval_duration": ("prefill_s", 1e-9), "prompt_eval_count": ("prefill_tokens", 1),
+    "prompt_eval_cached_count": ("cached_tokens", 1),
     "eval_duration": ("decode_s", 1e-9), "eval_count": ("decode_tokens", 1),
 }
 
 
 def engine_view(timings: Mapping[str, Any]) -> dict[str, float]:
     """Translate an engine's own timing fields into our quantities (seconds, tokens)."""
-    return {ENGINE_FIELDS[k][0]: float(v) * ENGINE_FIELDS[k][1]
-            for k, v in timings.items() if k in ENGINE_FIELDS and v is not None}
+    out = {ENGINE_FIELDS[k][0]: float(v) * ENGINE_FIELDS[k][1]
+           for k, v in timings.items() if k in ENGINE_FIELDS and v is not None}
+    if timings.get("prompt_eval_cached_count") is not None and "prefill_tokens" in out:
+        out["prefill_tokens"] -= out["cached_tokens"]   # Ollama: count includes the cache
+    return out
 
 
 def reconcile(tr: RequestTrace, *, rtol: float = 0.25, atol_s: float = 0.02,

@@ -5,6 +5,12 @@ A `RequestTrace` is the raw material every metric is computed from. It keeps the
 (or a saturated server) delays the send: measuring latency from the actual send would hide
 that queueing (the "coordinated omission" trap). It keeps every chunk's arrival time and
 token count, so stalls in the tail stay visible instead of vanishing into an average.
+
+Every request sent is recorded, whatever became of it. `status` is "ok" (the stream
+ended normally), "error" (the engine or server failed it) or "incomplete" (still in
+flight when the run was cut short by a deadline, a stop or Ctrl-C: its partial timings are
+kept, `end_t` is when it was cut). Dropping the last two would remove exactly the slowest
+requests from the tail (survivorship bias); `summary` counts them apart instead.
 """
 from __future__ import annotations
 
@@ -14,7 +20,9 @@ from typing import Any, Iterable
 
 from infercourse.core.types import Event
 
-__all__ = ["RequestTrace", "trace_from_events", "record_stream", "record"]
+__all__ = ["STATUSES", "RequestTrace", "trace_from_events", "record_stream", "record"]
+
+STATUSES = ("ok", "error", "incomplete")
 
 
 @dataclass
@@ -37,7 +45,7 @@ class RequestTrace:
     token_source: str | None = None
     finish_reason: str | None = None
     engine_timings: dict[str, Any] = field(default_factory=dict)
-    status: str = "ok"                 # "ok" or "error"
+    status: str = "ok"                 # "ok", "error" or "incomplete" (see STATUSES)
     error: str | None = None
     text: str = ""
     tags: dict[str, Any] = field(default_factory=dict)       # workload labels (prompt_len, turn...)
@@ -48,10 +56,21 @@ class RequestTrace:
 
 def trace_from_events(events: list[Event], *, request_id: int, scheduled_t: float,
                       sent_t: float, error: BaseException | None = None,
-                      end_t: float | None = None, **tags: Any) -> RequestTrace:
+                      end_t: float | None = None, incomplete: bool = False,
+                      **tags: Any) -> RequestTrace:
     """Build a trace from recorded events (a finished stream, or the part received before
-    an error). Chunks with no tokens and no text (role headers, keep-alives) are dropped so
-    TTFT means the first *token*, not the first byte."""
+    an error or a cut). Chunks with no tokens and no text (role headers, keep-alives) are
+    dropped so TTFT means the first *token*, not the first byte.
+
+    Args:
+        events: what arrived, in order.
+        request_id, scheduled_t, sent_t: identity and the two send times.
+        error: the exception that ended the stream (status "error").
+        end_t: when the stream ended or was cut (default: the last event).
+        incomplete: the request was still in flight when the run stopped (status
+            "incomplete"; pass `end_t` = the moment it was cut).
+        **tags: workload labels kept on the trace.
+    """
     tr = RequestTrace(request_id=request_id, scheduled_t=scheduled_t, sent_t=sent_t, tags=tags)
     for e in events:
         if e.done:
@@ -71,6 +90,9 @@ def trace_from_events(events: list[Event], *, request_id: int, scheduled_t: floa
         tr.completion_tokens, tr.token_source = sum(tr.chunk_tokens), "client"
     if error is not None:
         tr.status, tr.error = "error", f"{type(error).__name__}: {error}"
+        tr.end_t = end_t if end_t is not None else (tr.chunk_t[-1] if tr.chunk_t else sent_t)
+    elif incomplete and not any(e.done for e in events):   # a stream that reached its end was not cut
+        tr.status = "incomplete"
         tr.end_t = end_t if end_t is not None else (tr.chunk_t[-1] if tr.chunk_t else sent_t)
     elif tr.end_t is None:
         tr.end_t = end_t if end_t is not None else (tr.chunk_t[-1] if tr.chunk_t else sent_t)

@@ -4,7 +4,9 @@ The decode loop below is the whole engine: apply the chat template, tokenize, le
 `Llama.generate` evaluate the prompt (reusing the longest cached prefix of the previous
 request unless told not to) and sample one token at a time. Each token becomes one event.
 llama.cpp's own perf counters (`llama_perf_context`) are read after each request so the
-client-side timings can be reconciled with what the runtime measured.
+client-side timings can be reconciled with what the runtime measured. Cached prompt
+tokens come from the runtime's matched-prefix state (`compat.llama_cached_prefix`), not
+from the perf counters, which file a 1-token suffix under decode.
 
 The thread count is a visible, recorded setting: on a 2-core machine under contention,
 2 threads can collapse to a few tok/s while 1 thread holds steady.
@@ -129,6 +131,10 @@ class LlamaCppEngine:
                 logits[eog] = -np.inf
                 return logits
             processors = lc.LogitsProcessorList([_no_eog])
+        # What generate() will take from the KV cache, read from the runtime's state now.
+        # Not `len - n_p_eval`: llama.cpp counts a 1-token batch as a decode step
+        # (`n_eval`), and prompt-lookup verify batches land in `n_p_eval`.
+        cached = compat.llama_cached_prefix(llm, tokens)
         lc.llama_perf_context_reset(compat.llama_context_ptr(llm))
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         vocab, generated, finish = compat.llama_vocab_ptr(llm), [], "length"
@@ -152,7 +158,7 @@ class LlamaCppEngine:
                    "n_reused": perf.n_reused, "n_threads": self.n_threads}
         eog = int(finish == "stop")  # the stop token was generated, counted like servers do
         usage = Usage(prompt_tokens=len(tokens), completion_tokens=len(generated) + eog,
-                      cached_tokens=max(0, len(tokens) - perf.n_p_eval), source="engine")
+                      cached_tokens=cached, source="engine")
         yield Event(t=time.perf_counter(), text=tail, n_tokens=eog, done=True, usage=usage,
                     finish_reason=finish, timings=timings)
 

@@ -6,10 +6,19 @@ nanoseconds (docs/api.md in ollama/ollama):
 
     total_duration        the whole request, model load included
     load_duration         loading the model (0 when it was already in memory)
-    prompt_eval_count     prompt tokens evaluated (cached prefix tokens are not counted)
+    prompt_eval_count     "number of tokens in the prompt" (see below)
+    prompt_eval_cached_count  prompt tokens read from the cache (newer servers only)
     prompt_eval_duration  prefill time
     eval_count            tokens generated
     eval_duration         decode time -> decode tok/s = eval_count / eval_duration * 1e9
+
+Counting the prompt: servers that send `prompt_eval_cached_count` define
+`prompt_eval_count` as the whole prompt, cached tokens included, so we report both.
+Older servers counted only the tokens they evaluated there, and left the field out
+altogether when the whole prompt came from the cache (ollama/ollama#2068, #3427). From
+such a server the prompt's length is unknown: we report `prompt_tokens=None`, never the
+evaluated count and never 0, and keep `prompt_eval_count` in `timings` as what it is, the
+server's prefill count (`reconcile` compares it with the uncached prompt).
 
 We pass those on verbatim in the final Event's `timings`, so a lesson can set the server's
 view beside the client's (TTFT measured here includes HTTP and queueing; theirs does not).
@@ -20,6 +29,7 @@ and record it), and a prompt longer than `num_ctx` is truncated silently, not re
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
@@ -31,15 +41,33 @@ from infercourse import compat
 from infercourse.core.errors import APILayerError, ModelLayerError
 from infercourse.core.types import Event, Messages, Request, Usage, as_request
 
-__all__ = ["OllamaEngine", "OLLAMA_TIMING_FIELDS"]
+__all__ = ["OllamaEngine", "OLLAMA_TIMING_FIELDS", "prompt_counts"]
 
 OLLAMA_TIMING_FIELDS = ("total_duration", "load_duration", "prompt_eval_count",
-                        "prompt_eval_duration", "eval_count", "eval_duration")
+                        "prompt_eval_cached_count", "prompt_eval_duration", "eval_count",
+                        "eval_duration")
 DEFAULT_HOST = "http://127.0.0.1:11434"
 
 
+def prompt_counts(final: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(prompt tokens, cached prompt tokens) from a final object's fields.
+
+    Only a server that reports `prompt_eval_cached_count` says how long the prompt was
+    (`prompt_eval_count`, cached included). Without it, `prompt_eval_count` may count
+    evaluated tokens only and vanishes when all were cached: (None, None), unknown.
+
+    Args:
+        final: the done object's fields (or `timings` of our done Event).
+    """
+    cached = final.get("prompt_eval_cached_count")
+    if cached is None:
+        return None, None
+    return int(final.get("prompt_eval_count") or 0), int(cached)
+
+
 class OllamaEngine:
-    """One model on an Ollama server, via the official `ollama` Python client.
+    """One model on an Ollama server: the official `ollama` Python client for its host and
+    metadata, its HTTP client for the stream (read line by line, every field kept).
 
     Args:
         model: an Ollama model name, e.g. "smollm2:135m".
@@ -76,17 +104,39 @@ class OllamaEngine:
             opts["num_ctx"] = self.num_ctx
         return opts
 
-    def _call(self, req: Request) -> Iterator[Any]:
-        common = {"model": self.model, "stream": True, "options": self.options(req),
+    def body(self, request: Request) -> tuple[str, dict[str, Any]]:
+        """The path and JSON sent for `request` (what the official client would send)."""
+        common = {"model": self.model, "stream": True, "options": self.options(request),
                   "keep_alive": self.keep_alive}
         if self.api == "chat":
-            messages = req.messages if req.messages is not None else [
-                {"role": "user", "content": req.prompt}]
-            return self.client.chat(messages=messages, **common)
-        if req.prompt is None:
+            messages = request.messages if request.messages is not None else [
+                {"role": "user", "content": request.prompt}]
+            return "/api/chat", {**common, "messages": messages}
+        if request.prompt is None:
             raise APILayerError("api='generate' takes a raw prompt, got chat messages",
                                 hint="use api='chat', or Request(prompt=...)")
-        return self.client.generate(prompt=req.prompt, raw=True, **common)
+        return "/api/generate", {**common, "prompt": request.prompt, "raw": True}
+
+    def _call(self, req: Request) -> Iterator[dict[str, Any]]:
+        # The NDJSON lines as the server sent them, through the official client's own
+        # httpx client (host, headers, transport): `ollama` 0.6.3 parses each line into a
+        # model that silently drops fields it does not declare, prompt_eval_cached_count
+        # among them, and the prompt cannot be counted without it.
+        path, body = self.body(req)
+        http = compat.ollama_http_client(self.client)
+        with http.stream("POST", path, json={k: v for k, v in body.items() if v is not None}) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise self._ollama.ResponseError(r.text, r.status_code)
+            for line in r.iter_lines():
+                if not line.strip():
+                    continue
+                part = json.loads(line)
+                if not isinstance(part, dict):
+                    raise ValueError(f"not a JSON object: {line[:200]!r}")
+                if part.get("error"):     # Ollama reports failures mid-stream this way
+                    raise self._ollama.ResponseError(str(part["error"]))
+                yield part
 
     def _error(self, exc: Exception, events: list[Event]) -> Exception:
         ollama = self._ollama
@@ -116,34 +166,34 @@ class OllamaEngine:
         try:
             for part in self._call(req):
                 t = time.perf_counter()
-                if self.api == "chat":
-                    msg = part.message
-                    text = (msg.content or "") if msg else ""
-                    thinking = (getattr(msg, "thinking", None) or "") if msg else ""
-                else:
-                    text, thinking = part.response or "", getattr(part, "thinking", None) or ""
+                src = (part.get("message") or {}) if self.api == "chat" else part
+                text = src.get("content" if self.api == "chat" else "response") or ""
+                thinking = src.get("thinking") or ""
                 if text or thinking:  # one token per object; thinking tokens carry no text
                     events.append(Event(t=t, text=text, n_tokens=1))
                     yield events[-1]
-                if part.done:
+                if part.get("done"):
                     last = part
                     break
         except (self._ollama.ResponseError, ConnectionError, httpx.HTTPError,
-                ValueError) as exc:  # ValueError: bad JSON line, or a shape pydantic rejects
+                ValueError) as exc:  # ValueError: a line that is not JSON
             raise self._error(exc, events) from exc
         if last is None:
             raise APILayerError(f"stream from Ollama at {self.where} ended without a done object",
                                 partial=events, hint="the server may have crashed; see its log")
-        timings: dict[str, Any] = {k: getattr(last, k, None) for k in OLLAMA_TIMING_FIELDS}
-        timings.update(done_reason=last.done_reason, response_model=last.model,
-                       created_at=last.created_at, chunk_tokens_from="deltas",
+        timings: dict[str, Any] = {k: last.get(k) for k in OLLAMA_TIMING_FIELDS}
+        timings.update(done_reason=last.get("done_reason"), response_model=last.get("model"),
+                       created_at=last.get("created_at"), chunk_tokens_from="deltas",
                        ignore_eos="unsupported" if req.ignore_eos else None)
-        usage = Usage(prompt_tokens=last.prompt_eval_count or 0,  # omitted when all cached
-                      completion_tokens=last.eval_count if last.eval_count is not None
+        prompt, cached = prompt_counts(timings)
+        timings["prompt_tokens_from"] = ("prompt_eval_count (cached included)" if prompt is not None
+                                         else "unknown: this server counts evaluated tokens only")
+        usage = Usage(prompt_tokens=prompt,
+                      completion_tokens=last["eval_count"] if last.get("eval_count") is not None
                       else sum(e.n_tokens for e in events),
-                      cached_tokens=None, source="server" if last.eval_count is not None else "client")
+                      cached_tokens=cached, source="server" if last.get("eval_count") is not None else "client")
         yield Event(t=time.perf_counter(), done=True, usage=usage,
-                    finish_reason=last.done_reason, timings=timings)
+                    finish_reason=last.get("done_reason"), timings=timings)
 
     def describe(self) -> dict[str, Any]:
         """Host, model, and what the server says about both (version, format, quantization)."""
