@@ -25,11 +25,13 @@ from typing import Any, Iterable, Mapping
 import pandas as pd
 
 from infercourse.core import metrics, summary
+from infercourse.core.errors import InferCourseError
 from infercourse.core.hashing import content_hash
 from infercourse.core.trace import RequestTrace
 from infercourse.measure.hardware import environment_manifest, hardware_info, utc_now
 
 __all__ = ["new_run_dir", "RunWriter", "Run", "load_run", "compare", "differing_conditions",
+           "UnfairComparisonError",
            "hardware_info", "environment_manifest", "content_hash", "CONDITION_KEYS"]
 
 MANIFEST, REQUESTS = "manifest.json", "requests.jsonl"
@@ -175,14 +177,47 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+class UnfairComparisonError(InferCourseError):
+    """Runs differ in a condition that must be the same for their numbers to be compared."""
+
+    layer = "measurement"
+
+
+def _under(key: str, prefixes: Iterable[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
 def differing_conditions(runs: Iterable[Run], ignore: Iterable[str] = (
-        "start_time", "end_time", "n_requests")) -> pd.DataFrame:
+        "start_time", "end_time", "n_requests"), *, must_match: Iterable[str] = (),
+        allow: Iterable[str] = ()) -> pd.DataFrame:
     """Manifest keys (flattened, dotted: `hardware.cpu`, `sampling.seed`) whose values
-    differ between runs; one column per run. A key one run lacks counts as differing."""
+    differ between runs; one column per run. A key one run lacks counts as differing.
+
+    Args:
+        ignore: keys never compared (times, counts).
+        must_match: keys or prefixes (`hardware`, `fair.quantization`) that make a
+            comparison unfair when they differ, or when no run records them.
+        allow: keys among `must_match` that may differ: they stay in the table, so the
+            comparison labels the difference instead of hiding it.
+
+    Raises:
+        UnfairComparisonError: naming each `must_match` condition that differs (with its
+            value in every run) and each that no run records.
+    """
     flat: dict[str, dict[str, Any]] = {}
     for r in runs:
         lab = r.label if r.label not in flat else f"{r.label}#{len(flat)}"
         flat[lab] = _flatten(r.manifest)
     keys = sorted(set().union(*(f.keys() for f in flat.values())) - set(ignore))
     diff = [k for k in keys if len({json.dumps(f.get(k), default=str) for f in flat.values()}) > 1]
-    return pd.DataFrame({lab: [f.get(k) for k in diff] for lab, f in flat.items()}, index=diff)
+    table = pd.DataFrame({lab: [f.get(k) for k in diff] for lab, f in flat.items()}, index=diff)
+    must, allowed = list(must_match), list(allow)
+    unfair = [k for k in diff if _under(k, must) and not _under(k, allowed)]
+    unrecorded = [m for m in must if not any(_under(k, [m]) for k in keys)]
+    if unfair or unrecorded:
+        why = [f"{k} differs (" + ", ".join(f"{lab}={f.get(k)!r}" for lab, f in flat.items()) + ")"
+               for k in unfair] + [f"{m} is recorded by no run" for m in unrecorded]
+        raise UnfairComparisonError("unfair comparison: " + "; ".join(why),
+                                    hint="rerun under the same conditions, or pass allow=[...] to "
+                                         "compare anyway with the difference labelled")
+    return table

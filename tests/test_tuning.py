@@ -1,0 +1,162 @@
+"""The tuning lesson: one knob at a time, stage shares from traces, keep/revert decisions
+with intervals, the append-only log, KV-cache prediction and log parsing."""
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from infercourse.core.trace import RequestTrace
+from infercourse.lessons import tuning as T
+
+
+def _trace(i, *, queue, prefill, decode, n=5):
+    first = queue + prefill
+    return RequestTrace(request_id=i, scheduled_t=0.0, sent_t=0.0,
+                        chunk_t=list(np.linspace(first, first + decode, n)), chunk_tokens=[1] * n,
+                        end_t=first + decode, prompt_tokens=10, completion_tokens=n,
+                        engine_timings={"prompt_ms": 1e3 * prefill})
+
+
+def test_config_changes_one_knob_only_and_builds_the_argv():
+    c = T.ServerConfig(n_parallel=2, ctx_per_slot=1024)
+    assert c.change(threads=1).threads == 1
+    with pytest.raises(ValueError, match="one knob"):
+        c.change(threads=1, ubatch=64)
+    argv = c.change(cache_type_k="q8_0").server().argv()
+    assert argv[argv.index("-c") + 1] == "2048"          # total context = per slot x slots
+    assert argv[argv.index("-np") + 1] == "2" and argv[argv.index("-ctk") + 1] == "q8_0"
+
+
+def test_stage_shares_split_e2e_and_find_the_bottleneck():
+    traces = [_trace(0, queue=0.6, prefill=0.1, decode=0.3), _trace(1, queue=0.0, prefill=0.1, decode=0.3)]
+    s = T.stage_shares(traces)
+    assert s.loc[0, "queue_s"] == pytest.approx(0.6) and s.loc[0, "queue_share"] == pytest.approx(0.6)
+    assert (s[["queue_share", "prefill_share", "decode_share"]].sum(axis=1)).tolist() == pytest.approx([1, 1])
+    b = T.bottleneck(s)                 # totals: queue 0.6, prefill 0.2, decode 0.6 -> a tie
+    assert b["shares"]["prefill"] == pytest.approx(0.2 / 1.4)
+    s2 = T.stage_shares([_trace(0, queue=0.0, prefill=0.8, decode=0.2)])
+    assert T.bottleneck(s2)["stage"] == "prefill" and "-ub" in T.bottleneck(s2)["advice"]
+
+
+def test_stage_shares_without_server_timings_refuse_to_guess():
+    tr = _trace(0, queue=0.1, prefill=0.1, decode=0.1)
+    tr.engine_timings = {}
+    s = T.stage_shares([tr])
+    assert math.isnan(s.loc[0, "prefill_s"])
+    with pytest.raises(ValueError, match="no stage timings"):
+        T.bottleneck(s)
+
+
+def _frame(values):
+    return pd.DataFrame({"status": "ok", "ttft_s": values})
+
+
+def test_decide_keeps_only_a_change_beyond_noise():
+    rng = np.random.default_rng(0)
+    slow, fast = _frame(1.0 + 0.05 * rng.random(40)), _frame(0.5 + 0.05 * rng.random(40))
+    assert T.decide(slow, fast)["decision"] == "keep"
+    worse = T.decide(fast, slow)
+    assert worse["decision"] == "revert" and worse["why"] == "worse beyond noise"
+    same = T.decide(slow, _frame(1.0 + 0.05 * rng.random(40)))
+    assert same["decision"] == "revert" and "within noise" in same["why"]
+    assert T.decide(_frame(fast.ttft_s * 10), fast, goal="higher")["decision"] == "revert"
+
+
+def test_decide_refuses_a_tail_percentile_it_has_too_few_samples_for():
+    slow, fast = _frame(np.linspace(1.0, 1.1, 20)), _frame(np.linspace(0.1, 0.2, 20))
+    assert T.decide(slow, fast, q=50)["decision"] == "keep"
+    d = T.decide(slow, fast, q=95)                      # a p95 interval needs 72 samples
+    assert d["decision"] == "revert" and "n too small" in d["why"] and "72" in d["why"]
+
+
+def _session(tmp_path, name, config, users, *, kv=90.0):
+    run = SimpleNamespace(df=_frame(users), dir=tmp_path / name)
+    return {"config": config, "runs": {"users": run}, "kv_cache_mib": kv, "rss_mb": 200.0}
+
+
+def test_tuning_log_appends_and_tracks_the_kept_config(tmp_path):
+    rng = np.random.default_rng(1)
+    noise = lambda: 0.05 * rng.random(30)   # noqa: E731
+    base = T.ServerConfig()
+    log = T.TuningLog(tmp_path, guard="users:ttft_s")
+    with pytest.raises(ValueError, match="baseline first"):
+        log.trial("threads", _session(tmp_path, "x", base.change(threads=1), [1.0]))
+    log.baseline(_session(tmp_path, "b", base, 1.0 + noise()))
+    np4 = base.change(n_parallel=4)
+    kept = log.trial("n_parallel", _session(tmp_path, "t1", np4, 0.4 + noise()),
+                     target="users:ttft_s", expected="queueing dominated")
+    assert kept["decision"] == "keep" and log.current == np4
+    with pytest.raises(ValueError, match="exactly 'threads'"):
+        log.trial("threads", _session(tmp_path, "x", base.change(threads=1), [1.0]))
+    reverted = log.trial("threads", _session(tmp_path, "t2", np4.change(threads=1), 0.9 + noise()),
+                         target="users:ttft_s")
+    assert reverted["decision"] == "revert" and log.current == np4
+    # a scalar target (memory) that improves, with users unchanged: kept
+    q8 = np4.change(cache_type_k="q8_0")
+    mem = log.trial("cache_type_k", _session(tmp_path, "t3", q8, 0.4 + noise(), kv=68.0), target="kv_cache_mib")
+    assert mem["decision"] == "keep" and mem["change"] == pytest.approx(68 / 90 - 1)
+    # a scalar target that improves while the guard gets worse beyond noise: reverted, and why
+    q4 = q8.change(cache_type_k="q4_0")
+    slow = log.trial("cache_type_k", _session(tmp_path, "t4", q4, 2.0 + noise(), kv=60.0), target="kv_cache_mib")
+    assert slow["decision"] == "revert" and "worse beyond noise" in slow["why"] and log.current == q8
+    lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [x["trial"] for x in lines] == ["baseline", "n_parallel=4", "threads=1", "cache_type_k=q8_0",
+                                           "cache_type_k=q4_0"]
+    assert lines[1]["config"]["n_parallel"] == 4 and lines[1]["expected"] == "queueing dominated"
+    assert T.TuningLog(tmp_path).frame()["decision"].tolist() == ["baseline", "keep", "revert", "keep", "revert"]
+
+
+def test_tuning_workloads_are_the_same_requests_every_time():
+    tok = lambda text: text.split()          # noqa: E731 - one token per word
+    w = T.tuning_workloads(tok, n_requests=3, concurrency=2, prompt_tokens=20, max_tokens=5, long_tokens=40)
+    users, kw = w["users"]
+    assert len(users) == 3 and kw == {"pattern": "concurrency", "concurrency": 2}
+    assert len({u.messages[0]["content"] for u in users}) == 3 and users[0].max_tokens == 5
+    (first, second), kw = w["shift"]
+    assert kw["warmup"] == 0
+    doc2 = second.messages[0]["content"].split("\n\n")[0]
+    assert doc2 in first.messages[0]["content"] and not first.messages[0]["content"].startswith(doc2)
+    again = T.tuning_workloads(tok, n_requests=3, concurrency=2, prompt_tokens=20, max_tokens=5, long_tokens=40)
+    assert again["users"][0] == users
+
+
+def test_kv_cache_from_log_and_prediction():
+    log = ("llama_kv_cache:        CPU KV buffer size =    90.00 MiB\n"
+           "llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB\n")
+    assert T.kv_cache_mib_from_log(log) == pytest.approx(90.0)
+    assert math.isnan(T.kv_cache_mib_from_log("nothing here"))
+    card = SimpleNamespace(kv_bytes_per_token=lambda b: 2 * 30 * 3 * 64 * b)
+    f16 = T.predicted_kv_mib(card, T.ServerConfig(n_parallel=2, ctx_per_slot=2048))
+    assert f16 == pytest.approx(2 * 30 * 3 * 64 * 2 * 4096 / 2**20)           # = 90 MiB
+    q8 = T.predicted_kv_mib(card, T.ServerConfig(n_parallel=2, ctx_per_slot=2048, cache_type_k="q8_0"))
+    assert q8 / f16 == pytest.approx((34 / 32 + 2) / 4)
+    with pytest.raises(ValueError, match="unknown cache type"):
+        T.predicted_kv_mib(card, T.ServerConfig(cache_type_k="q3"))
+
+
+def test_problems_frame_has_six_and_places_evidence():
+    t = T.problems_frame({"P95 jitter": "p95/p50 = 3.1 at -np 1"})
+    assert len(t) == 6 and t.loc["P95 jitter", "measured here"].startswith("p95/p50")
+    assert t.loc["out of memory", "measured here"] == "not measured here"
+    with pytest.raises(ValueError, match="unknown problem"):
+        T.problems_frame({"slow disks": "x"})
+
+
+@pytest.mark.slow
+def test_serve_and_measure_logs_the_kv_cache_it_predicts(tmp_path):
+    from infercourse import Request
+    from infercourse.models.modelcard import model_card
+    cfg = T.ServerConfig(n_parallel=2, ctx_per_slot=512, threads=1)
+    wl = [Request(messages=[{"role": "user", "content": "Count to five."}], max_tokens=4, ignore_eos=True)]
+    out = T.serve_and_measure(cfg, {"one": (wl, {"max_requests": 2})}, results_root=tmp_path, warmup=1)
+    assert out["config"] == cfg
+    run = out["runs"]["one"]
+    assert run.manifest["server_config"]["n_parallel"] == 2 and len(run.df) == 2
+    assert out["rss_mb"] > 0
+    # llama-server may round the cache up (padding), never below the formula
+    assert out["kv_cache_mib"] >= T.predicted_kv_mib(model_card(None), cfg) * 0.99
+    shares = T.stage_shares(run.traces)
+    assert (shares[["queue_share", "prefill_share", "decode_share"]].sum(axis=1) - 1).abs().max() < 1e-9
