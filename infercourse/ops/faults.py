@@ -158,6 +158,7 @@ def _killed(f: Injected, server, seconds: float):
         finally:
             if server is not None:     # undo: a server we were lent is handed back running
                 srv.stop()
+                srv.pid = None         # Server.start() looks the pid up only when unset
                 srv.start()
 
 
@@ -201,6 +202,10 @@ def _overloaded(f: Injected, server, seconds: float):
             w.start()
         f.notes = {"slots": slots, "streams": len(workers), "deferred": _wait_deferred(srv.url, 15.0)}
         f.url, f.server = srv.url, srv
+        try:   # what one more user sees: a request that waits for a slot until it gives up
+            list(srv.engine(timeout=2.0).stream("Hi", max_tokens=4))
+        except InferCourseError as e:
+            f.saw(e)
         try:
             yield
         finally:

@@ -23,6 +23,7 @@ import json
 import re
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from infercourse.core.errors import LAYERS
@@ -45,7 +46,7 @@ NEXT_STEP = {
 
 # Log lines that name the layer a server died of, most specific first.
 _LOG_CAUSES = [
-    ("memory", r"failed to allocate|cannot allocate memory|bad_alloc|out of memory|mmap failed"),
+    ("memory", r"failed to allocate|insufficient memory|cannot allocate memory|bad_alloc|out of memory|mmap failed"),
     ("hardware", r"illegal instruction|SIGILL|code -4\b|no CUDA-capable device|ggml_cuda_init: failed"),
     ("KV cache", r"failed to find free space in the KV cache|kv cache is full"),
     ("context", r"exceeds the available context size"),
@@ -198,9 +199,11 @@ def _engine(ev: dict) -> LayerCheck:
                 processing=m.get("llamacpp:requests_processing"))
     if not slots and not m:
         return _c("engine", "ok", "no /slots or /metrics here: nothing to check", **evid)
-    if _queued(ev) and (deferred or 0) > 0:
-        return _c("engine", "fail", f"all {len(slots)} slots busy, {deferred:.0f} request(s) waiting: "
-                  "queueing, TTFT grows with the queue", **evid)
+    waited = ((ev.get("api") or {}).get("stream") or {}).get("timed_out")   # our probe queued too
+    if slots and busy == len(slots) and ((deferred or 0) > 0 or waited):
+        return _c("engine", "fail", f"all {len(slots)} slots busy, {deferred or 0:.0f} request(s) deferred"
+                  + (", our probe waited its whole timeout" if waited else "") + ": queueing, TTFT grows with "
+                  "the queue", **evid)
     if slots and busy == len(slots):
         return _c("engine", "warn", f"all {len(slots)} slots busy (the next request waits)", **evid)
     return _c("engine", "ok", f"{busy}/{len(slots)} slots busy, {deferred or 0:.0f} deferred", **evid)
@@ -230,8 +233,11 @@ def _model(ev: dict) -> LayerCheck:
     if ev["kind"] == "engine" and not m.get("chat_template"):
         return _c("model", "warn", "no chat template in the model: chat requests fall back to a default",
                   path=m.get("model_path"))
-    return _c("model", "ok", f"{m.get('model_path') or 'model'}, window {m.get('n_ctx') or '?'} tokens"
-              + ("; renders a tool turn" if turn and turn.get("ok") else ""), path=m.get("model_path"))
+    tools = "; renders a tool turn" if turn and turn.get("ok") else ""
+    if tools and m.get("supports_tools") is False:   # llama.cpp renders it, dropping the tool list
+        tools += " (no native tool support: tool definitions are not in the prompt)"
+    return _c("model", "ok", f"{Path(m.get('model_path') or 'model').name}, window {m.get('n_ctx') or '?'} "
+              f"tokens per slot{tools}", path=m.get("model_path"), supports_tools=m.get("supports_tools"))
 
 
 def _context(ev: dict) -> LayerCheck:

@@ -85,9 +85,9 @@ def machine_info() -> dict[str, Any]:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     cores = psutil.cpu_count(logical=True) or 1
     gpus = []
-    try:
-        from infercourse.measure.hardware import hardware_info
-        gpus = hardware_info().get("gpus") or []
+    try:  # live GPU memory/utilisation where the hardware module offers it
+        from infercourse.measure import hardware
+        gpus = hardware.gpu_stats() if hasattr(hardware, "gpu_stats") else hardware.hardware_info().get("gpus")
     except Exception:  # a GPU probe must never take the report down
         pass
     return {"total_bytes": vm.total, "available_bytes": vm.available, "swap_total_bytes": sw.total,
@@ -203,7 +203,8 @@ def collect_http(url: str, *, server: Any = None, pid: int | None = None, log_pa
         ev["runtime"] = {"build_info": p.get("build_info"), "cmdline": ev["server"]["process"].get("cmdline")}
         tmpl = _post(c, base + "/apply-template", TOOL_TURN) if p else None
         ev["model"] = {"model_path": p.get("model_path"), "chat_template": p.get("chat_template"),
-                       "tool_turn": tmpl, "n_ctx": (p.get("default_generation_settings") or {}).get("n_ctx")}
+                       "tool_turn": tmpl, "n_ctx": (p.get("default_generation_settings") or {}).get("n_ctx"),
+                       "supports_tools": (p.get("chat_template_caps") or {}).get("supports_tools")}
         ev["context"] = {"n_ctx_slot": ev["model"]["n_ctx"], "max_tokens": max_tokens, "prompt_tokens": None}
         if prompt is not None:
             tok = _post(c, base + "/tokenize", {"content": prompt, "add_special": True})
