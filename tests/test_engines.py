@@ -88,7 +88,9 @@ def _evaluated_at_first_token(engine, req):
     it = iter(engine.stream(req))
     next(it)
     perf = llama_cpp.llama_perf_context(compat.llama_context_ptr(engine.llm))
-    evaluated = perf.n_p_eval + perf.n_eval
+    # reported as max(1, n): a phase that spent no time evaluated nothing
+    evaluated = sum(n if ms > 0 else 0 for n, ms in ((perf.n_p_eval, perf.t_p_eval_ms),
+                                                     (perf.n_eval, perf.t_eval_ms)))
     done = [e for e in it if e.done][0]
     return done.usage, evaluated, done.timings
 
@@ -116,13 +118,16 @@ def test_llamacpp_prefix_cache_reuse(llamacpp_engine):
     assert off.usage.cached_tokens == 0 and off.text == generate(llamacpp_engine, r2).text
 
 
-def test_llamacpp_cached_tokens_with_a_one_token_suffix(llamacpp_engine):
-    # §2.7: one uncached token is evaluated as a 1-token batch, which llama.cpp files
-    # under n_eval, not n_p_eval; `len - n_p_eval` called the whole prompt cached
+def test_llamacpp_cached_tokens_with_one_or_no_uncached_token(llamacpp_engine):
+    # §2.7: llama.cpp files a 1-token batch under n_eval, not n_p_eval, and reports every
+    # count as max(1, n), so `len - n_p_eval` was right for a 1-token suffix only by luck,
+    # and wrong (one short) when nothing at all was evaluated
     base = "The quick brown fox jumps over the lazy dog. The quick brown fox"
     t1, t2 = llamacpp_engine.tokenize(base), llamacpp_engine.tokenize(base + " jumps")
     assert t2[:-1] == t1, "the suffix must be exactly one token"
     _evaluated_at_first_token(llamacpp_engine, Request(prompt=base, max_tokens=1, cache_prompt=False))
+    usage, evaluated, _ = _evaluated_at_first_token(llamacpp_engine, Request(prompt=base, max_tokens=1))
+    assert evaluated == 0 and usage.cached_tokens == len(t1) == usage.prompt_tokens   # all reused
     usage, evaluated, _ = _evaluated_at_first_token(llamacpp_engine, Request(prompt=base + " jumps", max_tokens=3))
     assert evaluated == 1 and usage.cached_tokens == len(t1) == usage.prompt_tokens - 1
 

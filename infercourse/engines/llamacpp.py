@@ -153,8 +153,9 @@ class LlamaCppEngine:
         gen.close()
         tail = decoder.decode(b"", final=True)
         perf = lc.llama_perf_context(compat.llama_context_ptr(llm))
-        timings = {"prompt_n": perf.n_p_eval, "prompt_ms": perf.t_p_eval_ms,
-                   "predicted_n": perf.n_eval, "predicted_ms": perf.t_eval_ms,
+        # llama.cpp reports each count as max(1, count); a phase that never ran has 0 ms
+        timings = {"prompt_n": perf.n_p_eval if perf.t_p_eval_ms > 0 else 0, "prompt_ms": perf.t_p_eval_ms,
+                   "predicted_n": perf.n_eval if perf.t_eval_ms > 0 else 0, "predicted_ms": perf.t_eval_ms,
                    "n_reused": perf.n_reused, "n_threads": self.n_threads}
         eog = int(finish == "stop")  # the stop token was generated, counted like servers do
         usage = Usage(prompt_tokens=len(tokens), completion_tokens=len(generated) + eog,
