@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import Any
 
-from infercourse.measure.hardware import hardware_info
+from infercourse.measure.hardware import gpu_stats, hardware_info
 
 __all__ = ["PACKAGES", "engine_status", "env_report", "print_report"]
 
@@ -115,6 +115,7 @@ def env_report(engines: bool = True) -> dict[str, Any]:
               "executable": sys.executable,
               "packages": {p: _version(p) for p in PACKAGES},
               "tools": {t: shutil.which(t) for t in ("nvidia-smi", "ollama")}}
+    report["gpu_now"] = gpu_stats()          # live: memory in use, utilisation, power
     if engines:
         report["engines"] = engine_status()
     return report
@@ -125,8 +126,18 @@ def print_report(report: dict[str, Any] | None = None) -> None:
     hw = r["hardware"]
     print("== hardware");
     for k, v in hw.items():
-        if k != "cpu_flags":
+        if k not in ("cpu_flags", "gpus", "apple"):
             print(f"  {k:<18} {v}")
+    print(f"  {'cpu_flags':<18} {' '.join(hw.get('cpu_flags', [])) or '-'}")
+    for k, v in (hw.get("apple") or {}).items():     # Apple Silicon: the GPU shares the RAM
+        print(f"  apple.{k:<12} {v}")
+    for g in r.get("gpu_now", []):
+        fmt = lambda v, unit: "-" if v is None else f"{v:.0f} {unit}"   # noqa: E731
+        print(f"  gpu{g['index']:<15} {g['name']}: {fmt(g['memory_used_mib'], 'MiB')} used of "
+              f"{fmt(g['memory_total_mib'], 'MiB')}, {fmt(g['utilization_pct'], '%')} busy, "
+              f"{fmt(g['power_w'], 'W')} of {fmt(g['power_limit_w'], 'W')}, driver {g['driver']}")
+    if not hw.get("apple") and not r.get("gpu_now"):
+        print(f"  {'accelerator':<18} none found (no NVIDIA GPU via NVML/nvidia-smi, not Apple Silicon)")
     print(f"== python {r['python']} ({r['executable']})")
     print("== packages")
     for k, v in r["packages"].items():

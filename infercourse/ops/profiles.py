@@ -69,7 +69,7 @@ class Profile:
     n_requests: int = 16
     prompt_tokens: int = 128
     max_tokens: int = 32
-    soak_s: float = 120.0
+    soak_s: float = 30.0
     contexts: tuple[int, ...] = (64, 512, 1536)
     kv_types: tuple[str, ...] = ("f16", "q8_0", "q4_0")
     memory_budget_mib: float | None = 512.0

@@ -129,6 +129,8 @@ class SoakResult:
     samples: pd.DataFrame
     events: list[dict] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    t0: float = 0.0              # perf_counter at the soak's start: requests' `scheduled_t - t0`
+                                 # is on the samples' `t_s` clock
 
 
 def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0, concurrency: int = 2,
@@ -178,8 +180,7 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
                          "max_restarts": max_restarts}, **(conditions or {})}
     writer = RunWriter(out, manifest)
     if sup:
-        sup.log, sup.t0 = out / EVENTS, time.perf_counter()
-        sup._event("soak_start", pid=server.pid, port=server.port)
+        sup.log = out / EVENTS
     counts = {"ok": 0, "error": 0}
     bar = tqdm(total=round(duration_s), desc=label or "soak", unit="s", disable=not progress, leave=True)
 
@@ -200,6 +201,10 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
     sampler = ServerSampler(url, (lambda: server.pid) if sup else (lambda: None), out,
                             interval_s=interval_s, on_sample=status if progress else None)
     t0 = sampler.t0 = time.perf_counter()
+    writer.manifest["soak"]["t0_perf_counter"] = t0
+    if sup:                                  # events, samples and requests: one clock
+        sup.t0 = t0
+        sup._event("soak_start", pid=server.pid, port=server.port)
     killers = [threading.Timer(k, kill_server, (server,)) for k in kill_at_s if sup]
     counter, addr, rnd, stop = itertools.count(), server_address(engine), 0, None
     n_cap = 100_000
@@ -242,12 +247,12 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
         sampler.stop()
         bar.n = bar.total if status_text == "ok" and not stop else bar.n
         bar.close()
-        result = _finish(out, writer, sup, stop, status_text, duration_s)
+        result = _finish(out, writer, sup, stop, status_text, duration_s, t0)
     return result
 
 
 def _finish(out: Path, writer: RunWriter, sup: Supervisor | None, stop: str | None, status: str,
-            duration_s: float) -> SoakResult:
+            duration_s: float, t0: float) -> SoakResult:
     run = load_run(out) if writer.n else None
     df = run.df if run else pd.DataFrame()
     samples = load_samples(out)
@@ -255,7 +260,7 @@ def _finish(out: Path, writer: RunWriter, sup: Supervisor | None, stop: str | No
     s = soak_summary(df, samples, events, duration_s)
     writer.manifest.update(soak_summary=s, stopped=stop)
     writer.close(status if status != "ok" or not stop else f"stopped: {stop}")
-    return SoakResult(out, df, samples, events, s)
+    return SoakResult(out, df, samples, events, s, t0)
 
 
 def soak_summary(df: pd.DataFrame, samples: pd.DataFrame, events: list[dict],

@@ -1,0 +1,113 @@
+"""Does it still work after hours? Reading a soak (notebook 14).
+
+The soak itself lives in `infercourse.ops.soak` (the same run as `infercourse soak`);
+this module turns its three records into what a learner looks at:
+
+- `plot_soak`: the server over time (RSS with its fitted drift line, KV use and queue,
+  per-request latency with errors marked, restarts as vertical lines);
+- `hit_rate_by_context`: how much of each prompt the prefix cache served, as the agent's
+  contexts grow;
+- `drift_verdict`: the slope and its interval in words. A leak claim needs the interval
+  to exclude zero; a short soak usually cannot tell a small leak from noise, which is
+  why real soaks run for 24-72 hours;
+- `recipe`: the command line for the long version.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from infercourse.ops.sampling import drift
+
+__all__ = ["plot_soak", "hit_rate_by_context", "drift_verdict", "recipe", "request_times"]
+
+
+def request_times(result) -> pd.DataFrame:
+    """Per-request rows with `t_s`: seconds from the soak's start to the scheduled send,
+    the same clock as the samples' `t_s`."""
+    df = result.df.copy()
+    df["t_s"] = df["scheduled_t"] - result.t0 if len(df) else []
+    return df.sort_values("t_s") if len(df) else df
+
+
+def hit_rate_by_context(df: pd.DataFrame, bins: int = 4) -> pd.DataFrame:
+    """Cached share of prompt tokens per prompt-length bin (ok requests only)."""
+    ok = df[(df["status"] == "ok") & df["prompt_tokens"].notna()].copy()
+    if not len(ok):
+        return pd.DataFrame(columns=["requests", "prompt_tokens", "cached_tokens", "hit_rate"])
+    ok["context"] = pd.cut(ok["prompt_tokens"], bins=min(bins, ok["prompt_tokens"].nunique()))
+    g = ok.groupby("context", observed=True)
+    out = g.agg(requests=("prompt_tokens", "size"), prompt_tokens=("prompt_tokens", "sum"),
+                cached_tokens=("cached_tokens", lambda s: s.fillna(0).sum()))
+    out["hit_rate"] = out["cached_tokens"] / out["prompt_tokens"]
+    return out
+
+
+def drift_verdict(summary: dict[str, Any], duration_s: float) -> str:
+    """The RSS drift in one sentence, honest about what a run this short can say."""
+    s, lo, hi = (summary.get(k, np.nan) for k in ("rss_drift_mib_per_h", "rss_drift_lo", "rss_drift_hi"))
+    if not np.isfinite(s):
+        return "too few memory samples for a drift estimate"
+    verdict = ("memory grows: the interval excludes zero" if lo > 0 else
+               "memory shrinks: the interval excludes zero" if hi < 0 else
+               "no drift detectable: the interval includes zero")
+    return (f"RSS drift {s:+.1f} MiB/h (95% interval {lo:+.1f} to {hi:+.1f}) over {duration_s / 60:.1f} min: "
+            f"{verdict}. Over 24 h that interval spans {lo * 24:+.0f} to {hi * 24:+.0f} MiB.")
+
+
+def plot_soak(result, *, axes=None):
+    """Four panels over soak time: RSS with the drift fit, KV use and queue, latency per
+    request (errors in red), and restarts (vertical lines) on every panel."""
+    import matplotlib.pyplot as plt
+    if axes is None:
+        _, axes = plt.subplots(2, 2, figsize=(13, 7), sharex=True)
+    ax = np.asarray(axes).ravel()
+    smp, df = result.samples, request_times(result)
+    restarts = [e["t_s"] for e in result.events if e["event"] == "restart"]
+    if len(smp):
+        for pid, g in smp.dropna(subset=["rss_mib"]).groupby("pid"):
+            ax[0].plot(g["t_s"], g["rss_mib"], marker=".", ms=3, label=f"server pid {int(pid)}")
+            d = drift(g["t_s"], g["rss_mib"])
+            if np.isfinite(d["slope_per_s"]):
+                t = g["t_s"].to_numpy()
+                mid = np.median(t)
+                ax[0].plot(t, g["rss_mib"].median() + d["slope_per_s"] * (t - mid), "k--", lw=1)
+        ax[0].set(ylabel="server RSS (MiB)", title="Resident memory (dashed: fitted drift)")
+        ax[0].legend(fontsize=7)
+        if "kv_used_frac" in smp:
+            ax[1].plot(smp["t_s"], 100 * smp["kv_used_frac"], label="KV cells held (%)")
+        for col, name in (("llamacpp:requests_processing", "processing"), ("llamacpp:requests_deferred", "deferred")):
+            if col in smp:
+                ax[1].step(smp["t_s"], smp[col], where="post", label=f"requests {name}")
+        ax[1].axhline(100, color="grey", ls=":", lw=1, label="KV full (100 %)")
+        ax[1].set(ylabel="% / requests", title="KV cache use and queue")
+        ax[1].legend(fontsize=7)
+    if len(df):
+        ok, bad = df[df["status"] == "ok"], df[df["status"] != "ok"]
+        ax[2].scatter(ok["t_s"], ok["ttft_s"], s=8, label="TTFT (ok)")
+        ax[2].scatter(ok["t_s"], ok["e2e_s"], s=8, label="E2E (ok)")
+        ax[2].scatter(bad["t_s"], np.zeros(len(bad)), marker="x", color="red", label=f"errors ({len(bad)})")
+        ax[2].set(ylabel="seconds", xlabel="soak time (s)", title="Latency per request")
+        ax[2].legend(fontsize=7)
+        hit = ok["cached_tokens"].fillna(0) / ok["prompt_tokens"]
+        sc = ax[3].scatter(ok["t_s"], 100 * hit, c=ok["prompt_tokens"], s=10, cmap="viridis")
+        plt.colorbar(sc, ax=ax[3], label="prompt tokens")
+        ax[3].set(ylabel="prompt served from cache (%)", xlabel="soak time (s)", ylim=(-5, 105),
+                  title="Prefix-cache hit per request")
+    for a in ax:
+        for t in restarts:
+            a.axvline(t, color="red", lw=1, alpha=0.6)
+    if restarts:
+        ax[0].text(restarts[0], ax[0].get_ylim()[1], " restart", color="red", va="top", fontsize=8)
+    ax[0].figure.tight_layout()
+    return ax
+
+
+def recipe(duration: str = "24h", *, concurrency: int = 4, workload: str = "mix") -> str:
+    """The command line of a long soak (run it under `nohup` or tmux; every line is on disk
+    as it happens, so a look at the folder mid-run is safe)."""
+    return (f"nohup infercourse soak --duration {duration} --workload {workload} --concurrency {concurrency} "
+            f"--parallel {concurrency} --max-calls 0 --out soak-{duration} --no-progress > soak-{duration}.log 2>&1 &\n"
+            f"infercourse report soak-{duration}")

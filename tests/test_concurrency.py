@@ -1,0 +1,77 @@
+"""Notebook 10's library: batching ceilings, Little's law, the knee, goodput; a real -np sweep."""
+import types
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from infercourse.lessons import concurrency as cc
+
+CARD = {"n_params": 100e6, "weight_bytes": 50e6, "n_layers": 10, "n_kv_heads": 2, "head_dim": 64}
+MACHINE = {"bandwidth_gbs": 10.0, "matmul_gflops_f32": 100.0}
+
+
+def test_batch_ceiling_is_the_lower_of_memory_and_compute():
+    t = cc.batch_ceiling(CARD, MACHINE, [1, 2, 4, 8])
+    per_token = 50e6                                          # context 0: weights only
+    assert t.loc[1, "memory_bound_tok_per_s"] == pytest.approx(10e9 / per_token)        # 200 tok/s
+    assert t.loc[8, "memory_bound_tok_per_s"] == pytest.approx(8 * 10e9 / per_token)    # linear in B
+    assert (t["compute_bound_tok_per_s"] == pytest.approx(100e9 / (2 * 100e6))).all()  # 500 tok/s, flat
+    assert list(t["bound"]) == ["memory", "memory", "compute", "compute"]
+    assert (t["ceiling_tok_per_s"] == t[["memory_bound_tok_per_s", "compute_bound_tok_per_s"]].min(axis=1)).all()
+    assert t.loc[4, "flops_per_byte"] == pytest.approx(4 * t.loc[1, "flops_per_byte"])
+
+
+def test_context_lowers_the_memory_ceiling():
+    at0 = cc.batch_ceiling(CARD, MACHINE, [1])["memory_bound_tok_per_s"].iloc[0]
+    at4k = cc.batch_ceiling(CARD, MACHINE, [1], context=4096)["memory_bound_tok_per_s"].iloc[0]
+    kv = 2 * 10 * 2 * 64 * 2 * 4096
+    assert at4k == pytest.approx(10e9 / (50e6 + kv)) and at4k < at0
+
+
+def test_littles_law_and_knee_on_a_table():
+    t = pd.DataFrame({"requests_per_s": [2.0, 3.5, 4.0], "e2e_s_mean": [0.5, 0.57, 1.0],
+                      "output_tok_per_s": [64.0, 112.0, 120.0]}, index=pd.Index([1, 2, 4], name="concurrency"))
+    law = cc.littles_law(t)
+    assert law["L_predicted"].tolist() == pytest.approx([1.0, 1.995, 4.0])
+    assert cc.knee(t) == 2                                    # 2 -> 4 gained only 7 %
+    assert cc.knee(t, min_gain=0.05) == 4
+
+
+def test_goodput_by_level_counts_requests_meeting_every_slo():
+    df = pd.DataFrame({"status": ["ok", "ok", "ok", "error"], "ttft_s": [0.2, 0.9, 0.3, np.nan],
+                       "tpot_s": [0.05, 0.05, 0.2, np.nan], "output_tokens": [8, 8, 8, 0],
+                       "scheduled_t": [0.0, 0.0, 1.0, 1.0], "end_t": [1.0, 1.5, 2.0, 2.0],
+                       "prompt_tokens": [10, 10, 10, 10]})
+    run = types.SimpleNamespace(df=df, manifest={"label": "np4"})
+    g = cc.goodput_by_level([run], {"ttft_s": 0.5, "tpot_s": 0.1})
+    assert g.loc["np4", "good_fraction"] == 0.25 and g.loc["np4", "goodput_req_per_s"] == pytest.approx(0.5)
+
+
+def test_fixed_workload_is_exact_and_distinct():
+    from infercourse.lessons.memory import vocab_tokenizer
+    wl = cc.fixed_workload(48, 8, 3)
+    tok = vocab_tokenizer()
+    assert [len(tok(r.prompt)) for r in wl.requests] == [48, 48, 48]
+    assert len({r.prompt.split()[0] for r in wl.requests}) == 3 and all(r.ignore_eos for r in wl.requests)
+
+
+@pytest.mark.slow
+def test_np_sweep_obeys_littles_law(tmp_path):
+    wl = cc.fixed_workload(32, 8, 4)
+    table, runs = cc.np_sweep(wl, [1, 2], requests_per_level=4, threads=1, ctx_per_slot=128, out_dir=tmp_path)
+    assert list(table.index) == [1, 2] and (table["error_rate"] == 0).all()
+    assert (table["requests"] == 4).all() and (tmp_path / "np2" / "manifest.json").exists()
+    law = cc.littles_law(table)
+    # closed loop: L = λW cannot exceed the users, and stays close to it
+    assert (law["L_predicted"] <= law["users"] * 1.05).all() and (law["L_predicted"] >= 0.5 * law["users"]).all()
+    assert "-np" in runs[1].manifest["server"]["argv"] and runs[1].manifest["server"]["argv"][
+        runs[1].manifest["server"]["argv"].index("-np") + 1] == "2"
+
+
+@pytest.mark.slow
+def test_cb_compare_runs_both_settings(tmp_path):
+    wl = cc.fixed_workload(32, 8, 2)
+    t = cc.cb_compare(wl, 2, requests=2, threads=1, ctx_per_slot=128, out_dir=tmp_path)
+    assert list(t["flag"]) == ["-cb", "-nocb"] and (t["error_rate"] == 0).all()
+    assert (tmp_path / "nocb" / "manifest.json").exists()

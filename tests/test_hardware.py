@@ -1,0 +1,129 @@
+"""GPU and Apple Silicon detection, tested on recorded outputs (no GPU or Mac is lent here)."""
+import sys
+import types
+
+import pytest
+
+from infercourse.measure import hardware
+from infercourse.ops import profiles
+
+# `nvidia-smi --query-gpu=index,name,memory.total,memory.used,utilization.gpu,power.draw,
+#  power.limit,driver_version --format=csv,noheader,nounits` on a 2-GPU box; the second GPU
+# cannot report power (nvidia-smi then prints "[N/A]").
+SMI = """0, NVIDIA H100 80GB HBM3, 81559, 71234, 97, 612.45, 700.00, 550.54.15
+1, NVIDIA A10G, 23028, 1, 0, [N/A], [N/A], 550.54.15
+"""
+
+# `system_profiler SPDisplaysDataType -json` on a Mac Studio (M2 Max), trimmed.
+APPLE = """{"SPDisplaysDataType": [{"_name": "kHW_AppleM2MaxItem", "sppci_bus": "spdisplays_builtin",
+  "sppci_cores": "38", "sppci_device_type": "spdisplays_gpu", "sppci_model": "Apple M2 Max",
+  "spdisplays_mtlgpufamilysupport": "spdisplays_metal3", "spdisplays_vendor": "sppci_vendor_Apple"}]}"""
+
+
+def test_nvidia_smi_rows_parse_with_units_and_missing_values():
+    gpus = hardware.parse_nvidia_smi(SMI)
+    assert [g["index"] for g in gpus] == [0, 1]
+    h100, a10 = gpus
+    assert h100["name"] == "NVIDIA H100 80GB HBM3" and h100["driver"] == "550.54.15"
+    assert h100["memory_total_mib"] == 81559 and h100["memory_used_mib"] == 71234
+    assert h100["utilization_pct"] == 97 and h100["power_w"] == pytest.approx(612.45)
+    assert a10["power_w"] is None and a10["power_limit_w"] is None     # "[N/A]" is not a number
+    assert hardware.parse_nvidia_smi("") == [] and hardware.parse_nvidia_smi("garbage line") == []
+
+
+class _Mem:
+    total, used = 80 * 2**30, 20 * 2**30
+
+
+def _fake_nvml(n_gpus=1, power_error=False):
+    m = types.ModuleType("pynvml")
+
+    class NVMLError(Exception):
+        pass
+
+    def power(h):
+        if power_error:
+            raise NVMLError("Not Supported")
+        return 350_000                                # milliwatts
+
+    m.NVMLError = NVMLError
+    m.calls = []
+    m.nvmlInit = lambda: m.calls.append("init")
+    m.nvmlShutdown = lambda: m.calls.append("shutdown")
+    m.nvmlSystemGetDriverVersion = lambda: b"550.54.15"
+    m.nvmlDeviceGetCount = lambda: n_gpus
+    m.nvmlDeviceGetHandleByIndex = lambda i: i
+    m.nvmlDeviceGetName = lambda h: "NVIDIA H100 80GB HBM3"
+    m.nvmlDeviceGetMemoryInfo = lambda h: _Mem()
+    m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=42, memory=10)
+    m.nvmlDeviceGetPowerUsage = power
+    m.nvmlDeviceGetEnforcedPowerLimit = lambda h: 700_000
+    return m
+
+
+def test_nvml_is_preferred_and_converts_units(monkeypatch):
+    fake = _fake_nvml(n_gpus=2)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(hardware.shutil, "which", lambda name: pytest.fail("nvidia-smi must not run"))
+    gpus = hardware.gpu_stats()
+    assert len(gpus) == 2 and fake.calls == ["init", "shutdown"]
+    g = gpus[0]
+    assert g["memory_total_mib"] == 80 * 1024 and g["memory_used_mib"] == 20 * 1024
+    assert g["power_w"] == 350 and g["power_limit_w"] == 700 and g["utilization_pct"] == 42
+    assert g["driver"] == "550.54.15"                  # bytes from old NVML bindings decoded
+
+
+def test_nvml_unsupported_query_is_none(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml(power_error=True))
+    assert hardware.gpu_stats()[0]["power_w"] is None
+
+
+def test_falls_back_to_nvidia_smi_then_to_nothing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)          # import pynvml -> ImportError
+    monkeypatch.setattr(hardware.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(hardware, "_run", lambda cmd: SMI)
+    assert [g["name"] for g in hardware.gpu_stats()] == ["NVIDIA H100 80GB HBM3", "NVIDIA A10G"]
+    # manifests keep static facts only: live load would make every two runs "differ"
+    assert set(hardware._gpus()[0]) == {"name", "memory_total_mib", "driver"}
+    monkeypatch.setattr(hardware.shutil, "which", lambda name: None)
+    assert hardware.gpu_stats() == []
+
+
+def test_apple_gpu_facts_parse():
+    facts = hardware.parse_apple_displays(APPLE)
+    assert facts == {"gpu": "Apple M2 Max", "gpu_cores": 38, "metal": "spdisplays_metal3"}
+    assert hardware.parse_apple_displays("not json") == {}
+    assert hardware.parse_apple_displays('{"SPDisplaysDataType": []}') == {}
+
+
+def test_apple_silicon_reads_sysctl(monkeypatch):
+    monkeypatch.setattr(hardware.sys, "platform", "darwin")
+    monkeypatch.setattr(hardware.platform, "machine", lambda: "arm64")
+    answers = {"machdep.cpu.brand_string": "Apple M2 Max", "hw.memsize": str(64 * 2**30),
+               "hw.perflevel0.physicalcpu": "8", "hw.perflevel1.physicalcpu": "4"}
+    monkeypatch.setattr(hardware, "_run", lambda cmd: APPLE if cmd[0] == "system_profiler" else answers[cmd[-1]])
+    info = hardware.apple_silicon()
+    assert info["chip"] == "Apple M2 Max" and info["unified_memory_gb"] == 64.0
+    assert (info["p_cores"], info["e_cores"], info["gpu_cores"]) == (8, 4, 38)
+
+
+def test_not_a_mac_here_is_none(monkeypatch):
+    monkeypatch.setattr(hardware.sys, "platform", "linux")
+    assert hardware.apple_silicon() is None
+
+
+def test_gpu_profile_needs_a_gpu_not_just_the_tool(monkeypatch):
+    monkeypatch.setattr(profiles.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(hardware, "gpu_stats", lambda: [])          # driver tool, no GPU
+    assert not profiles._has("nvidia-gpu")
+    monkeypatch.setattr(hardware, "gpu_stats", lambda: hardware.parse_nvidia_smi(SMI))
+    assert profiles._has("nvidia-gpu") and profiles.detect().name == "gpu"
+
+
+def test_doctor_prints_the_accelerator(monkeypatch, capsys):
+    from infercourse.ops import doctor
+    monkeypatch.setattr(doctor, "gpu_stats", lambda: hardware.parse_nvidia_smi(SMI))
+    doctor.print_report(doctor.env_report(engines=False))
+    out = capsys.readouterr().out
+    assert "NVIDIA H100 80GB HBM3: 71234 MiB used of 81559 MiB, 97 % busy, 612 W of 700 W" in out
+    assert "A10G" in out and "- of -" in out                        # power unknown, said so

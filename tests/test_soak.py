@@ -1,0 +1,146 @@
+"""The soak: samplers and drift on recorded data; short soaks against a real llama-server,
+one of them with the server killed mid-run (restart counted, nothing measured lost)."""
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from infercourse.measure.results import load_run
+from infercourse.ops import sampling, soak
+
+# llama-server (this build) `GET /metrics` with --metrics, trimmed.
+METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 1536
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 1024
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 1
+# HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s
+# TYPE llamacpp:prompt_tokens_seconds gauge
+llamacpp:prompt_tokens_seconds 812.5
+"""
+# vLLM labels its series per engine/model: summed.
+VLLM = """# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 2.0
+"""
+SLOTS = [
+    {"id": 0, "n_ctx": 1024, "is_processing": True, "n_prompt_tokens": 300,
+     "next_token": [{"has_next_token": True, "n_decoded": 20, "n_remain": 12}]},
+    {"id": 1, "n_ctx": 1024, "is_processing": False, "n_prompt_tokens": 180,
+     "next_token": [{"has_next_token": False, "n_decoded": 4}]},
+    {"id": 2, "n_ctx": 1024, "is_processing": False},                    # never used
+]
+
+
+def test_prometheus_values_keep_counters_and_gauges():
+    v = sampling.prometheus_values(METRICS)
+    assert v["llamacpp:prompt_tokens_total"] == 1536 and v["llamacpp:prompt_tokens_cached_total"] == 1024
+    assert v["llamacpp:requests_processing"] == 2 and v["llamacpp:requests_deferred"] == 1
+    assert "llamacpp:prompt_tokens_seconds" not in v                      # not asked for
+    assert sampling.prometheus_values(VLLM)["vllm:num_requests_waiting"] == 5
+
+
+def test_slots_usage_counts_prompt_and_generated_tokens():
+    u = sampling.slots_usage(SLOTS)
+    assert u["kv_used_tokens"] == 300 + 20 + 180 + 4 and u["kv_ctx_tokens"] == 3072
+    assert u["kv_used_frac"] == pytest.approx(504 / 3072) and u["slots_busy"] == 1
+
+
+def test_drift_finds_a_leak_and_not_a_flat_line():
+    rng = np.random.default_rng(1)
+    t = np.arange(600.0)                                   # ten minutes, one sample a second
+    noise = np.cumsum(rng.normal(0, 0.05, t.size))         # correlated, like a real heap
+    leak = sampling.drift(t, 200 + t * (30 / 3600) + noise)   # +30 MiB/h
+    flat = sampling.drift(t, 200 + noise - noise.mean())
+    assert leak["lo_per_h"] <= 30 <= leak["hi_per_h"] and leak["lo_per_h"] > 0
+    assert flat["lo_per_h"] < 0 < flat["hi_per_h"] or abs(flat["slope_per_h"]) < leak["slope_per_h"] / 3
+    assert leak["n"] == 480                                # first 20 % skipped as warm-up
+    assert np.isnan(sampling.drift([0, 1], [1, 2])["slope_per_s"])        # too few samples
+
+
+def test_durations_and_sampling_interval():
+    assert soak.parse_duration("90") == 90 and soak.parse_duration("5m") == 300
+    assert soak.parse_duration("24h") == 86400 and soak.parse_duration(30) == 30
+    with pytest.raises(ValueError, match="not a duration"):
+        soak.parse_duration("soon")
+    assert soak.default_interval(30) == 1 and soak.default_interval(72 * 3600) == pytest.approx(129.6)
+
+
+def test_mix_interleaves_short_chats():
+    agentic = soak.soak_workload("agentic", max_calls=4)
+    mix = soak.soak_workload("mix", max_calls=4)
+    assert len(agentic.requests) == 4 and len(mix.requests) == 8
+    assert mix.requests[0] == agentic.requests[0] and len(mix.requests[1].messages) == 1
+    with pytest.raises(ValueError, match="unknown soak workload"):
+        soak.soak_workload("chaos")
+
+
+def test_soak_cli_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        soak.soak_main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--duration" in out and "24h" in out and "--kill-at" in out
+
+
+@pytest.fixture
+def server():
+    from infercourse.servers import LlamaServer
+    srv = LlamaServer(n_parallel=2, ctx_size=4096, threads=1)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.slow
+def test_short_soak_writes_a_folder_report_reads(server, tmp_path, capsys):
+    r = soak.soak(server, soak.soak_workload("mix", max_calls=3), duration_s=6, concurrency=2,
+                  interval_s=0.5, out_dir=tmp_path / "soak", progress=False)
+    assert len(r.df) >= 1 and r.summary["requests"] == len(r.df) and r.summary["restarts"] == 0
+    assert len(r.samples) >= 2 and (r.samples["rss_mib"] > 0).all()
+    assert {"llamacpp:requests_processing", "kv_used_frac"} <= set(r.samples.columns)
+    man = json.loads((r.dir / "manifest.json").read_text())
+    assert man["status"] == "ok" and man["soak"]["duration_s"] == 6 and "soak_summary" in man
+    from infercourse.cli import report_main
+    assert report_main([str(r.dir)]) == 0 and "ttft_s_p50" in capsys.readouterr().out
+
+
+def _kill_after(srv, path, n_done, fired):
+    """Kill the server once `n_done` requests are on disk: no assumption about speed."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n_done:
+            fired["pid"] = srv.pid
+            os.kill(srv.pid, signal.SIGKILL)
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_killed_server_is_restarted_and_nothing_is_lost(server, tmp_path):
+    out, fired = tmp_path / "soak", {}
+    server.start()
+    killer = threading.Thread(target=_kill_after, args=(server, out / "requests.jsonl", 2, fired), daemon=True)
+    killer.start()
+    r = soak.soak(server, soak.soak_workload("mix", max_calls=3), duration_s=25, concurrency=2,
+                  interval_s=0.5, out_dir=out, progress=False)
+    killer.join(1)
+    assert fired, "the server was never killed"
+    assert r.summary["restarts"] == 1 and [e["event"] for e in r.events].count("crash") == 1
+    assert server.pid != fired["pid"] and server.running              # a new process serves
+    kept = load_run(out)
+    rounds = kept.df["round"].tolist()
+    assert rounds.count(0) >= 2                                       # measured before the kill: kept
+    assert kept.df["request_id"].is_unique
+    assert set(r.samples["pid"].dropna().astype(int)) >= {fired["pid"], server.pid}
+    events = [json.loads(x)["event"] for x in (out / "events.jsonl").read_text().splitlines()]
+    assert events[-2:] == ["crash", "restart"]
