@@ -37,7 +37,7 @@ def _retokenize(engine, text: str) -> list:
     """The streamed text counted again by the model's own tokenizer, outside the engine."""
     if hasattr(engine, "llm"):                                         # llama.cpp
         return engine.llm.tokenize(text.encode(), add_bos=False, special=False)
-    return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return engine.tokenizer.encode(text, add_special_tokens=False)   # HF, and MLX's wrapper of it
 
 
 def test_stream_contract(engine):
