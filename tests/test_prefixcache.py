@@ -76,13 +76,24 @@ def small_workload(n, header=lambda i: ""):
 
 
 @pytest.mark.slow
-def test_cold_warm_llamacpp(llamacpp_engine, tmp_path):
-    df = pc.cold_warm(llamacpp_engine, small_workload(3), results_root=tmp_path)
+def test_cold_warm_llamacpp(llamacpp_engine, tmp_path, monkeypatch):
+    # Independent witness of the work done: the token batches llama-cpp-python hands to
+    # llama.cpp. A batch of more than one token is a prompt (decode steps are single).
+    batches, real_eval = [], llamacpp_engine.llm.eval
+    monkeypatch.setattr(llamacpp_engine.llm, "eval", lambda toks: (batches.append(len(toks)), real_eval(toks))[1])
+    reqs = small_workload(3)
+    df = pc.cold_warm(llamacpp_engine, reqs, results_root=tmp_path)
     off, on = df[~df["cache_prompt"]], df[df["cache_prompt"]]
     assert (off["state"] == "cold").all() and (off["prompt_n"] == off["prompt_tokens"]).all()
     assert on["state"].tolist() == ["cold", "warm", "warm"]          # the 1st fills the cache
     assert (on["prompt_n"].iloc[1:] < 0.3 * on["prompt_tokens"].iloc[1:]).all()
-    assert (on["cached_tokens"] + on["prompt_n"] == on["prompt_tokens"]).all()
+    # llama.cpp's perf counter (prompt_n) = the batches the Python side really sent
+    assert [b for b in batches if b > 1][-len(df):] == df["prompt_n"].tolist()
+    # what a warm request reused = what theory says it can: the prompts' common prefix,
+    # computed from the token ids alone, not from the runtime
+    ids = [llamacpp_engine.prompt_tokens(r) for r in reqs]
+    assert on["cached_tokens"].iloc[1:].tolist() == [pc.first_divergence(a, b) for a, b in zip(ids, ids[1:])]
+    assert (on["cached_tokens"] + on["prompt_n"] == on["prompt_tokens"]).all()   # the two sources agree
     s = pc.cold_warm_summary(df)
     assert s.loc[(True, "warm"), "requests"] == 2 and s.loc[(False, "cold"), "requests"] == 3
     assert len(list(tmp_path.glob("*_prefix-cache/manifest.json"))) == 1

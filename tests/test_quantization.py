@@ -79,3 +79,50 @@ def test_ladder_table_agrees_with_the_gguf_reader():
     assert t.weight_bytes == card.tensor_bytes and t.file_type == "Q4_1"
     assert t.bits_per_weight == pytest.approx(card.bits_per_weight)
     assert t.decode_ceiling_tok_per_s == pytest.approx(10e9 / card.tensor_bytes)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hand_quantized_blocks_match_gguf_py(seed):
+    """Q8_0 and Q4_0 by hand: the block's extreme lands on the grid, errors stay under half a
+    step (Q4_0: a full step only when clipped), and the bytes equal gguf-py's quantizer."""
+    from gguf import GGMLQuantizationType, quants
+    from infercourse.lessons import quant_blocks as qb
+    x = np.random.default_rng(seed).normal(0, 0.05, 32).astype(np.float32)
+    d, q = qb.quantize_q8_0(x)
+    assert np.abs(q).max() == 127 and q.dtype == np.int8
+    back = qb.dequantize(d, q, "Q8_0")
+    # half a step, plus what storing d in fp16 adds at the far end of the grid (127 x d's rounding)
+    assert np.abs(back - x).max() <= abs(float(d)) * (0.5 + 127 * 2 ** -11)
+    assert qb.block_bytes(d, q, "Q8_0") == quants.quantize(x[None], GGMLQuantizationType.Q8_0).tobytes()
+    d4, q4 = qb.quantize_q4_0(x)
+    assert q4.min() >= 0 and q4.max() <= 15 and q4[np.abs(x).argmax()] == 0   # the extreme maps to -8
+    err4 = np.abs(qb.dequantize(d4, q4, "Q4_0") - x)
+    assert err4.max() <= abs(float(d4)) * 1.01 and np.median(err4) <= abs(float(d4)) / 2
+    assert err4.max() > np.abs(back - x).max()                                  # 16 levels vs 255
+    assert qb.block_bytes(d4, q4, "Q4_0") == quants.quantize(x[None], GGMLQuantizationType.Q4_0).tobytes()
+    with pytest.raises(ValueError):
+        qb.quantize_q8_0(x[:16])
+
+
+@pytest.mark.slow
+def test_hand_quantizer_reproduces_llama_quantize():
+    """The block llama.cpp's quantizer wrote into the Q8_0 / Q4_0 GGUFs, byte for byte."""
+    from infercourse.lessons import quant_blocks as qb
+    from infercourse.models.formats import f16_gguf, quantized_gguf
+    for qtype in ("Q8_0", "Q4_0"):
+        for index in (0, 7):
+            r = qb.compare_with_file(f16_gguf(), quantized_gguf(qtype), "blk.0.attn_q.weight", qtype, index)
+            assert r["same_bytes_as_llamacpp"] and r["same_bytes_as_gguf_py"] and r["same_weights_as_llamacpp"]
+    with pytest.raises(ModelLayerError):
+        qb.compare_with_file(f16_gguf(), quantized_gguf("Q8_0"), "blk.0.attn_q.weight", "Q4_0")
+
+
+@pytest.mark.slow
+def test_tensor_rows_explains_the_fallbacks():
+    from infercourse.lessons.quantization import tensor_rows
+    from infercourse.models.formats import quantized_gguf
+    t = tensor_rows(quantized_gguf("Q2_K")).set_index("tensor")
+    assert t.loc["blk.N.ffn_down.weight", "row_length"] == 1536 and t.loc["blk.N.ffn_down.weight", "fits_256"]
+    assert t.loc["blk.N.attn_q.weight", "row_length"] == 576 and not t.loc["blk.N.attn_q.weight", "fits_256"]
+    # a tensor whose rows do not split into 256 cannot be a K-quant
+    assert not t[~t["fits_256"]]["types"].str.contains("_K").any()

@@ -90,13 +90,53 @@ def test_prompt_lookup_is_exact_and_counted_right():
 
 @pytest.mark.slow
 def test_self_draft_accepts_everything_and_truncated_draft_is_smaller():
+    from infercourse.engines.transformers_engine import TransformersEngine
     from infercourse.models.formats import hf_folder
     from infercourse.models.modelcard import model_card
-    from infercourse.lessons.speculative import compare_speculation, draft_model_engine, truncated_draft
-    df = compare_speculation({"self": lambda: draft_model_engine(hf_folder(), 3, n_threads=1)},
+    from infercourse.lessons.speculative import compare_speculation, truncated_draft
+    df = compare_speculation({"self": lambda: TransformersEngine(n_threads=1, assistant=hf_folder(), assistant_tokens=3)},
                              {"open": "Name three colours."}, max_tokens=12)
     assert df.loc[0, "draft_acceptance"] == 1.0 and df.loc[0, "chunk_steps"] == 3
     draft = model_card(truncated_draft(4))
     assert draft.n_layers == 4 and draft.n_params < model_card(hf_folder()).n_params
     with pytest.raises(ModelLayerError):
         truncated_draft(0)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Whatever the drafter proposes, what comes out follows p; acceptance = sum(min(p, q))."""
+    from infercourse.lessons.draft_verify import rejection_demo, rejection_sample
+    p, q = [0.5, 0.2, 0.15, 0.1, 0.05], [0.05, 0.1, 0.2, 0.3, 0.35]
+    df, s = rejection_demo(p, q, n=40_000, seed=1)
+    assert s["max_abs_gap_to_p"] < 0.015                          # ~5 sigma at n = 40k
+    assert np.abs(df["output frequency"] - df["drafter q"]).max() > 0.3   # not q
+    assert s["acceptance"] == pytest.approx(s["predicted_acceptance"], abs=0.015)
+    rng = np.random.default_rng(0)
+    assert rejection_sample(np.array([0, 1.0]), np.array([0, 1.0]), 1, rng) == (1, True)   # q = p: always kept
+    assert rejection_sample(np.array([1.0, 0]), np.array([0.5, 0.5]), 1, rng) == (0, False)  # p(x) = 0: never kept
+    with pytest.raises(ValueError):
+        rejection_sample(np.array([0.5, 0.5]), np.array([1.0, 0]), 1, rng)   # q(drafted) = 0
+
+
+@pytest.mark.slow
+def test_hand_loop_is_exact_counts_passes_and_matches_transformers(transformers_engine):
+    """The dozen-line loop: plain = one pass per token and HF's greedy output; an oracle
+    drafter that proposes the true continuation is always accepted; a wrong one never."""
+    import torch
+    from infercourse.core.types import Request
+    from infercourse.lessons.draft_verify import speculative_greedy
+    m, n = transformers_engine.model, 12
+    ids = transformers_engine.prompt_ids(Request(messages=[{"role": "user", "content": "Name three colours."}]))
+    plain = speculative_greedy(m, ids, n, lambda s, h: [])
+    assert plain["passes"] == n and plain["proposed"] == 0 and len(plain["tokens"]) == n
+    with torch.inference_mode():
+        ref = m.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(ids):]
+    assert plain["tokens"] == ref.tolist()
+    truth = plain["tokens"]
+    oracle = speculative_greedy(m, ids, n, lambda s, h: truth[len(s) - len(ids):][:3])
+    assert oracle["tokens"] == truth and oracle["acceptance_rate"] == 1.0 and oracle["passes"] == 3   # 4 a pass
+    wrong = speculative_greedy(m, ids, n, lambda s, h: [(truth[len(s) - len(ids)] + 1) % 1000] * 2
+                               if len(s) - len(ids) < n else [])
+    assert wrong["tokens"] == truth and wrong["accepted"] == 0 and wrong["passes"] == n
+    with pytest.raises(ValueError):
+        speculative_greedy(m, ids[:1], n, lambda s, h: [])

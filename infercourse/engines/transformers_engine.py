@@ -51,7 +51,8 @@ class TransformersEngine:
         n_threads: torch intra-op threads (process-wide; recorded with results).
         use_cache: keep the KV cache between decode steps (False = recompute everything).
         assistant: None, "prompt-lookup", or a path to a smaller draft model folder.
-        assistant_tokens: tokens proposed per step by the assistant.
+        assistant_tokens: tokens proposed per step by the assistant (a draft model always
+            proposes exactly this many; prompt lookup proposes up to this many).
     """
 
     name = "transformers"
@@ -78,10 +79,18 @@ class TransformersEngine:
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(ref.path)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             ref.path, dtype=getattr(torch, dtype)).to(device).eval()
-        self.assistant_model, self.assistant = None, assistant
+        self.assistant_model, self.assistant, self.draft_k = None, assistant, None
         if assistant is not None and assistant != "prompt-lookup":
             self.assistant_model = transformers.AutoModelForCausalLM.from_pretrained(
                 assistant, dtype=getattr(torch, dtype)).to(device).eval()
+            # transformers 5 takes the drafting schedule from the *assistant's* generation
+            # config, not from generate() arguments: by default it adapts k (from 20) and
+            # stops drafting under 0.4 confidence. Pin k, so every step proposes exactly
+            # `assistant_tokens` (fewer only near max_tokens) and acceptance has a known base.
+            cfg = self.assistant_model.generation_config
+            cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = assistant_tokens, "constant"
+            cfg.assistant_confidence_threshold = 0.0
+            self.draft_k = assistant_tokens  # proposals per step, for acceptance counting
         self.flags = {"device": device, "dtype": dtype, "n_threads": torch.get_num_threads(),
                       "use_cache": use_cache, "assistant": str(assistant) if assistant else None,
                       "assistant_tokens": assistant_tokens if assistant else None}

@@ -9,8 +9,10 @@ the reuse, so one changed character near the top of the system prompt (a timesta
 reordered tool list) makes everything after it a miss.
 
 Engines differ in how much they keep: llama.cpp in process keeps the previous request's
-tokens only; llama-server keeps one per slot (plus an optional host-RAM cache); vLLM
-hashes blocks of 16 tokens into a shared pool, so many prefixes live at once. How to see
+tokens only; llama-server keeps each slot's last prompt and, in current builds, many more
+prompts in a host-RAM prompt cache (`--cache-ram` MiB) that it restores into a slot on a
+match; vLLM hashes blocks of 16 tokens into a shared pool, so many prefixes live at once
+on the accelerator. How to see
 a hit: llama.cpp's `prompt_n` (tokens evaluated), llama-server's `cached_tokens` /
 `timings.cache_n`, vLLM's Prometheus counters `vllm:prefix_cache_queries` and
 `vllm:prefix_cache_hits` (tokens, summed over engines) on `/metrics`.

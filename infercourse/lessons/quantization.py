@@ -26,7 +26,7 @@ from infercourse.core.errors import ModelLayerError
 
 __all__ = ["measure_ladder", "ladder_paths", "greedy_agreement", "rss_bytes",
            "levels_per_block", "paired_nll_difference",
-           "ladder_table"]
+           "ladder_table", "tensor_rows"]
 
 
 def rss_bytes() -> int:
@@ -262,3 +262,25 @@ def levels_per_block(gguf_path: str | Path, tensors: Sequence[str], block: int =
         out[name] = {"max": int(counts.max()), "mean": round(float(counts.mean()), 2),
                      "blocks": int(counts.size)}
     return out
+
+
+def tensor_rows(gguf_path: str | Path):
+    """What each kind of weight matrix is stored as, and why: one row per tensor kind
+    (the name without its layer number), with its row length (the first GGUF dimension, the
+    one blocks run along), whether that length splits into 256-weight K-quant super-blocks,
+    the storage type(s) found and the tensor count.
+
+    Args:
+        gguf_path: a GGUF file, e.g. a K-quant from `ladder_paths`.
+    """
+    import re
+
+    import pandas as pd
+    from gguf import GGUFReader
+    rows = [{"tensor": re.sub(r"^blk\.\d+\.", "blk.N.", t.name), "row_length": int(t.shape[0]),
+             "type": t.tensor_type.name} for t in GGUFReader(str(gguf_path)).tensors if len(t.shape) > 1]
+    df = pd.DataFrame(rows)
+    out = df.groupby("tensor").agg(row_length=("row_length", "first"),
+                                   types=("type", lambda x: ", ".join(sorted(set(x)))), count=("type", "size"))
+    out.insert(1, "fits_256", out["row_length"] % 256 == 0)
+    return out.reset_index()

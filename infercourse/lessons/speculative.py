@@ -18,7 +18,9 @@ drafting, here without the training that makes it good).
 Acceptance is measured two ways: from the chunks transformers streams (one chunk per
 target pass, holding accepted drafts + 1), and by `replay_acceptance`, which re-runs the
 drafter offline on the final greedy output and counts proposals and acceptances. The
-replay is hand-written (a dozen lines) because neither runtime reports proposal counts.
+replay is hand-written (a dozen lines) because neither in-process runtime reports
+proposal counts (llama-server does: `lessons.spec_server`). The draft-and-verify step
+itself, written out by hand, is in `lessons.draft_verify`.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import numpy as np
 
 from infercourse.core.errors import ModelLayerError
 
-__all__ = ["lookup_draft", "lookup_proposer", "replay_acceptance", "chunk_acceptance", "truncated_draft", "draft_model_engine",
+__all__ = ["lookup_draft", "lookup_proposer", "replay_acceptance", "chunk_acceptance", "truncated_draft",
            "output_ids", "compare_speculation",
            "expected_tokens_per_step", "expected_speedup", "break_even_acceptance", "plot_speedup"]
 
@@ -160,23 +162,6 @@ def chunk_acceptance(chunk_tokens: Sequence[int], k: int | None = None) -> dict:
         out.update(proposed=proposed,
                    acceptance_rate=out["accepted"] / proposed if proposed else float("nan"))
     return out
-
-
-def draft_model_engine(draft: str | Path, k: int = 4, **engine_kw):
-    """A TransformersEngine verifying `k` tokens per step from the draft model `draft`.
-
-    transformers 5 takes the drafting schedule from the *assistant's* generation config,
-    not from `generate()` arguments: by default it adapts k (starting at 20) and stops
-    drafting when the draft's confidence falls under 0.4. We pin k and switch both off
-    so the acceptance rate is measured against a known number of proposals.
-    """
-    from infercourse.engines.transformers_engine import TransformersEngine
-    engine = TransformersEngine(assistant=draft, assistant_tokens=k, **engine_kw)
-    cfg = engine.assistant_model.generation_config
-    cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = k, "constant"
-    cfg.assistant_confidence_threshold = 0.0
-    engine.draft_k = k  # read by compare_speculation to count proposals
-    return engine
 
 
 def truncated_draft(n_layers: int, target: str | Path | None = None) -> Path:

@@ -1,0 +1,83 @@
+"""Multi-token prediction heads: what they start as, that training lowers their loss, how
+acceptance is counted, the content-hash cache, and that drafting with them never changes
+greedy output. Fast tests use a tiny random Llama; the slow ones train a small version on
+the embedded model (a few steps on a little text: seconds, not the notebook's minute)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from infercourse.lessons import mtp  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _docs(n_docs=6, length=60, seed=0):
+    rng = np.random.default_rng(seed)
+    cycle = rng.permutation(64)[:12]          # a repeating pattern: the future is learnable
+    return [[int(cycle[(i + s) % 12]) for i in range(length)] for s in range(n_docs)]
+
+
+def test_untrained_medusa_head_is_the_next_token_head(tiny):
+    feats = mtp.trunk_features(tiny, _docs(1))
+    vocab = torch.arange(64)
+    heads = mtp.make_heads(tiny, 2, "medusa", vocab)
+    outs = heads(feats[0]["H"])
+    for o in outs:   # zero residual: each head starts as the model's own next-token head
+        assert torch.equal(o.argmax(-1), feats[0]["A"])
+    with pytest.raises(ValueError):
+        mtp.make_heads(tiny, 2, "eagle", vocab)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "mtp"])
+def test_training_lowers_the_loss_and_raises_acceptance(tiny, kind):
+    feats = mtp.trunk_features(tiny, _docs())
+    before = mtp.heldout_acceptance(mtp.make_heads(tiny, 2, kind, torch.unique(torch.cat([f["A"] for f in feats]))),
+                                    feats, [0] * len(feats))
+    heads, log = mtp.train_heads(tiny, feats, n_heads=2, kind=kind, steps=150, batch=64, lr=1e-2)
+    assert np.mean(log["losses"][-10:]) < 0.5 * np.mean(log["losses"][:10])
+    after = mtp.heldout_acceptance(heads, feats, [0] * len(feats))
+    assert (after["head_alone"] > before["head_alone"]).all()
+    # a guess counts only after every earlier one was right, so chains never exceed heads alone
+    assert (after["chain"] <= after["head_alone"] + 1e-12).all()
+    assert np.allclose(after["tokens_per_pass"], 1 + np.cumsum(after["chain"]))
+
+
+def test_drafting_with_heads_keeps_greedy_output(tiny):
+    from infercourse.lessons.draft_verify import speculative_greedy
+    feats = mtp.trunk_features(tiny, _docs())
+    heads, _ = mtp.train_heads(tiny, feats, n_heads=2, kind="mtp", steps=60, batch=64, lr=1e-2)
+    ids = _docs(1, 8)[0]
+    plain = speculative_greedy(tiny, ids, 20, lambda s, h: [])
+    drafted = speculative_greedy(tiny, ids, 20, mtp.heads_drafter(heads))
+    assert drafted["tokens"] == plain["tokens"]
+    assert drafted["proposed"] > 0 and drafted["passes"] == 20 - drafted["accepted"]
+
+
+@pytest.mark.slow
+def test_trained_heads_small_version_is_cached_by_content(transformers_engine, tmp_path, monkeypatch):
+    """The notebook's path, small: sample text, train, cache; the second call loads."""
+    from infercourse.measure.workloads import eval_text
+    monkeypatch.setenv("INFERCOURSE_CACHE", str(tmp_path))
+    eng = transformers_engine
+    kw = dict(kinds=("medusa",), n_heads=2, steps=20, train_topics=2, train_tokens=16, heldout_tokens=12,
+              prose=eval_text()[:600])
+    heads, logs, held = mtp.trained_heads(eng.model, eng.tokenizer, "test-base", **kw)
+    assert logs["medusa"]["cached"] is None and len(list((tmp_path / "mtp").glob("*.pt"))) == 1
+    assert len(held["docs"]) == len(mtp.HELDOUT_TOPICS) and all(len(d) > s for d, s in zip(held["docs"], held["start"]))
+    again, logs2, held2 = mtp.trained_heads(eng.model, eng.tokenizer, "test-base", **kw)
+    assert logs2["medusa"]["cached"] and held2["docs"] == held["docs"]
+    for a, b in zip(heads["medusa"].state_dict().values(), again["medusa"].state_dict().values()):
+        assert torch.equal(a, b)
+    mtp.trained_heads(eng.model, eng.tokenizer, "test-base", **{**kw, "steps": 21})  # any change: a new entry
+    assert len(list((tmp_path / "mtp").glob("*.pt"))) == 2
+    acc = mtp.heldout_acceptance(heads["medusa"], mtp.trunk_features(eng.model, held["docs"]), held["start"])
+    assert list(acc["head"]) == ["t+2", "t+3"] and (acc["positions"] > 0).all()
