@@ -106,3 +106,14 @@ def test_hf_cache_bytes_match_the_formula():
     m = kvcache.hf_cache_bytes(model, torch.zeros((1, 7), dtype=torch.long))
     assert m["dtype"] == "float32" and m["tokens"] == 7
     assert m["bytes_per_token"] == kvcache.kv_bytes_per_token(3, 2, 16, 4) == 768
+
+
+def test_cache_keyword_is_the_one_forward_takes_and_the_cache_fills():
+    model, torch = _tiny_model()
+    import inspect
+    kw = kvcache.cache_keyword(model)
+    assert kw in inspect.signature(model.forward).parameters
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(0))
+    got = kvcache.hf_cache_bytes(model, ids)
+    # 2 (K, V) x 3 layers x 2 KV heads x 16 dims x 4 bytes (float32) per token
+    assert got["tokens"] == 7 and got["bytes_per_token"] == 2 * 3 * 2 * 16 * 4

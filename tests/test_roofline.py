@@ -28,6 +28,18 @@ def test_prefill_ceiling_and_mbu_by_hand():
     assert rl.mbu(40.0, 10.0, CARD) == pytest.approx(0.4)
 
 
+def test_prefill_ceiling_leaves_out_the_embedding():
+    """SmolLM2-135M: 49152 x 576 = 28.3M tied embedding parameters are looked up, not
+    multiplied, for every prompt token but the last; the ceiling counts the rest."""
+    card = {**CARD, "n_params": 134_515_008, "vocab_size": 49_152, "hidden_size": 576}
+    assert rl.prefill_params_per_token(card) == 134_515_008 - 49_152 * 576
+    assert rl.prefill_ceiling_tok_per_s(100.0, card) == pytest.approx(100e9 / (2 * 106_203_456))
+    # counting every parameter would be ~21 % pessimistic for this shape
+    assert 1.2 < rl.prefill_ceiling_tok_per_s(100.0, card) / (100e9 / (2 * 134_515_008)) < 1.3
+    # an embedding as large as the model is no shape we can trust: keep every parameter
+    assert rl.prefill_params_per_token({**card, "vocab_size": 10**9}) == 134_515_008
+
+
 def test_modelcard_object_equals_dict():
     card = SimpleNamespace(n_layers=30, n_kv_heads=3, head_dim=64, n_params=135_000_000,
                            weight_bytes=lambda: 100_000_000)

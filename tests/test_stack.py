@@ -52,3 +52,68 @@ def test_first_answers_records_why_an_engine_could_not_run():
 def test_engine_factories_reject_unknown_names():
     with pytest.raises(ValueError, match="unknown engine"):
         engine_factories(["llamacpp", "tensorrt"])
+
+
+def test_ollama_row_marks_the_llama_cpp_runtime_inside():
+    assert {"runtime", "backend"} <= set(TOOLS["Ollama"]["layers"])
+    extra = set(TOOLS["Ollama"]["layers"]) - set(TOOLS["llama.cpp (in process)"]["layers"])
+    assert extra == {"API", "server", "engine", "model manager"}
+
+
+def test_weights_read_measures_torch_in_memory_and_counts_tied_weights_once():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from types import SimpleNamespace
+    from infercourse.lessons.stack import weights_read
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg)
+    unique = {id(p): p for p in model.parameters()}
+    nbytes, fmt = weights_read(SimpleNamespace(model=model))
+    assert nbytes == 4 * sum(p.numel() for p in unique.values()) and fmt == "torch float32"
+    assert weights_read(SimpleNamespace(model=model.to(torch.bfloat16)))[0] == nbytes / 2
+    # a served name with no file here: no ceiling rather than a wrong one
+    ghost = SimpleNamespace(describe=lambda: {"model": "smollm2:135m"})
+    assert weights_read(ghost)[0] is None
+
+
+def test_explain_first_answers_uses_each_engines_own_ceiling():
+    from infercourse.lessons.stack import explain_first_answers
+    df = pd.DataFrame([{"engine": "llamacpp", "ok": True, "decode_tok_per_s": 60.0, "weights": "Q4_1",
+                        "weight_mb": 100.0, "ceiling_tok_per_s": 100.0, "pct_of_ceiling": 60.0},
+                       {"engine": "transformers", "ok": True, "decode_tok_per_s": 10.0, "weights": "torch float32",
+                        "weight_mb": 500.0, "ceiling_tok_per_s": 20.0, "pct_of_ceiling": 50.0}]).set_index("engine")
+    text = explain_first_answers(df)
+    assert "60% of its own 100 tok/s ceiling" in text and "50% of its own 20 tok/s ceiling" in text
+    assert "6.0× slower" in text
+
+
+def test_raw_exchange_shows_the_request_and_every_sse_line():
+    from infercourse.lessons.stack import raw_exchange
+    from infercourse.testing import SSESource
+    with SSESource() as src:
+        ex = raw_exchange(src.url, "hi", max_tokens=3)
+    assert ex["request"].startswith("POST /v1/chat/completions HTTP/1.1") and '"stream": true' in ex["request"]
+    assert ex["status"] == 200 and "text/event-stream" in ex["content_type"]
+    data = [l for l in ex["lines"] if l.startswith("data:")]
+    assert data[-1].strip() == "data: [DONE]" and len(ex["events"]) == len(data) - 1
+    assert sum(1 for t in ex["texts"] if t) == 3
+
+
+def test_raw_exchange_names_the_api_layer_when_nothing_listens():
+    from infercourse.lessons.stack import raw_exchange
+    from infercourse.servers.process import free_port
+    with pytest.raises(APILayerError):
+        raw_exchange(f"http://127.0.0.1:{free_port()}", "hi")
+
+
+def test_draw_stack_labels_every_layer_and_notebook(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    from infercourse.lessons.stack import STACK, draw_stack
+    ax = draw_stack(tmp_path / "stack.png")
+    texts = {t.get_text() for t in ax.texts}
+    assert {name for name, _, _ in STACK} <= texts
+    assert {nb for _, _, nbs in STACK for nb in nbs} <= texts
+    assert (tmp_path / "stack.png").stat().st_size > 10_000

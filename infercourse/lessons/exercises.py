@@ -69,7 +69,8 @@ def choose(answer: str | None, options: Mapping[str, str], correct: str, why: st
     return ok
 
 
-def score_guess(guess: float | None, ceiling: float, measured: float, *, unit: str = "") -> dict[str, Any] | None:
+def score_guess(guess: float | None, ceiling: float, measured: float, *, unit: str = "",
+                bound: str = "ceiling") -> dict[str, Any] | None:
     """Score a prediction made before measuring: how far it was from the computed ceiling
     and from what this machine really did, as ratios (1.0 = exact).
 
@@ -78,6 +79,8 @@ def score_guess(guess: float | None, ceiling: float, measured: float, *, unit: s
         ceiling: the back-of-envelope bound computed in the Predict step.
         measured: the measurement.
         unit: printed after the numbers, e.g. "tok/s".
+        bound: what the computed value is called in the printout ("ceiling"; "floor" for
+            a minimum time such as TTFT; "prediction" for plain arithmetic).
     """
     if guess is None:
         print("No guess recorded: set MY_GUESS before the Predict cell next time, then compare.")
@@ -87,8 +90,8 @@ def score_guess(guess: float | None, ceiling: float, measured: float, *, unit: s
     out = {"guess": float(guess), "ceiling": ceiling, "measured": measured,
            "guess_over_measured": guess / measured, "guess_over_ceiling": guess / ceiling,
            "measured_over_ceiling": measured / ceiling}
-    closer = "the ceiling" if abs(math.log(guess / ceiling)) < abs(math.log(guess / measured)) else "the measurement"
-    print(f"your guess {guess:.4g} {unit} · ceiling {ceiling:.4g} {unit} · measured {measured:.4g} {unit}\n"
-          f"guess/measured = {out['guess_over_measured']:.2f}, measured/ceiling = "
+    closer = f"the {bound}" if abs(math.log(guess / ceiling)) < abs(math.log(guess / measured)) else "the measurement"
+    print(f"your guess {guess:.4g} {unit} · {bound} {ceiling:.4g} {unit} · measured {measured:.4g} {unit}\n"
+          f"guess/measured = {out['guess_over_measured']:.2f}, measured/{bound} = "
           f"{out['measured_over_ceiling']:.0%}; your guess was closer to {closer}.")
     return out

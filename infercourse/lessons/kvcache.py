@@ -13,6 +13,10 @@ in): transformers' `generate()` does the same thing under many more switches. Th
 generators of token ids, so timing stays outside them (`core.trace.record_stream`, the
 recorder bench uses), as for every engine.
 
+The cache object is a `DynamicCache`, passed to the model as `cache=` in current
+transformers and as `past_key_values=` in older releases and most tutorials
+(`cache_keyword` picks the one the installed version takes).
+
 `state_kv_bytes_per_token` measures what llama.cpp really stores: its state snapshot
 (`llama_state_get_size`) serializes the KV cells in use, so its growth per evaluated token
 is the engine's KV bytes per token. `kv_table` scales the formula to published models.
@@ -25,7 +29,7 @@ from typing import Any, Iterable, Iterator
 from infercourse import compat
 from infercourse.models.modelcard import kv_bytes_per_token
 
-__all__ = ["naive_decode", "cached_decode", "run_loops", "tokens_processed",
+__all__ = ["naive_decode", "cached_decode", "cache_keyword", "run_loops", "tokens_processed",
            "kv_bytes_per_token", "hf_cache_bytes", "state_kv_bytes_per_token", "PUBLISHED_CONFIGS", "kv_table", "DTYPE_BYTES"]
 
 
@@ -49,6 +53,16 @@ def naive_decode(model, input_ids, n_new: int) -> Iterator[int]:
             yield int(next_id)
 
 
+def cache_keyword(model) -> str:
+    """The keyword a transformers model's `forward` takes its KV cache under: `cache` in
+    current releases (5.24 here), `past_key_values` in older ones and in nearly every
+    tutorial (kept as a deprecated alias until 5.40). Read from the signature, because
+    an unknown keyword would be swallowed by `**kwargs` and the cache silently ignored."""
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def cached_decode(model, input_ids, n_new: int) -> Iterator[int]:
     """Greedy decoding with a KV cache: the prompt is processed once (prefill), then each
     step feeds only the newest token and reuses the stored keys and values.
@@ -61,10 +75,11 @@ def cached_decode(model, input_ids, n_new: int) -> Iterator[int]:
     import torch
     from transformers import DynamicCache
     ids = input_ids
-    cache = DynamicCache()          # NEW: keys/values live here (`past_key_values` before v5)
+    cache = DynamicCache()          # NEW: every layer's keys and values live here
+    kw = cache_keyword(model)       # NEW: "cache" now; "past_key_values" in older releases
     with torch.inference_mode():
         for _ in range(n_new):
-            out = model(ids, cache=cache, use_cache=True,            # NEW: read + extend it
+            out = model(ids, **{kw: cache}, use_cache=True,          # NEW: read + extend it
                         logits_to_keep=1)
             next_id = out.logits[:, -1].argmax(-1, keepdim=True)
             ids = next_id                                          # NEW: only the new token
@@ -144,7 +159,7 @@ def hf_cache_bytes(model, input_ids) -> dict[str, Any]:
     from transformers import DynamicCache
     cache = DynamicCache()
     with torch.inference_mode():
-        model(input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
     total = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     n = int(input_ids.shape[1])
     return {"tokens": n, "bytes": total, "bytes_per_token": total / n,

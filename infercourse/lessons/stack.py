@@ -6,11 +6,19 @@ user → agent → API → inference server → engine (scheduling, batching, ca
 `TOOLS` says which layers each well-known tool covers. `first_answers` streams one answer
 from every engine usable here (and says why not for the rest); `through_layers` sends one
 greedy request to the runtime in process and then to llama.cpp's HTTP server, so the
-learner sees what the server and API layers add to time-to-first-token.
+learner sees what the server and API layers add to time-to-first-token. Before the
+library hides them, `raw_exchange` shows the literal HTTP request and the server-sent
+events (SSE) that come back, and `LlamaServer.argv()` the literal server command.
+
+`weights_read` says how many bytes of weights each engine streams per decoded token (the
+same model is 4-bit in llama.cpp but float32 in transformers), so every engine gets its
+own bandwidth ceiling. `draw_stack` draws the layers with the notebooks that teach each.
 """
 from __future__ import annotations
 
 import contextlib
+import json
+import sys
 from typing import Any, Callable
 
 import pandas as pd
@@ -18,7 +26,8 @@ import pandas as pd
 from infercourse.core.types import Request, generate
 from infercourse.core.trace import record
 
-__all__ = ["LAYERS", "TOOLS", "tools_frame", "first_answers", "through_layers"]
+__all__ = ["LAYERS", "TOOLS", "STACK", "tools_frame", "first_answers", "through_layers",
+           "weights_read", "raw_exchange", "draw_stack", "plot_engine_speeds"]
 
 LAYERS = ["API", "server", "engine", "runtime", "backend", "model manager"]
 
@@ -32,7 +41,8 @@ TOOLS: dict[str, dict[str, Any]] = {
     "MLX-LM": {"layers": ["runtime"], "backends": "Metal, CPU", "check": "mlx"},
     "mlx_lm.server": {"layers": ["API", "server", "engine"], "backends": "Metal, CPU", "check": "mlx"},
     "oMLX": {"layers": ["API", "server", "engine", "model manager"], "backends": "Metal", "check": None},
-    "Ollama": {"layers": ["API", "server", "engine", "model manager"], "backends": "CPU, CUDA, Metal", "check": "ollama"},
+    "Ollama": {"layers": ["API", "server", "engine", "runtime", "backend", "model manager"],
+               "backends": "CPU, CUDA, Metal (llama.cpp's ggml inside)", "check": "ollama"},
     "vLLM": {"layers": ["API", "server", "engine", "runtime"], "backends": "CUDA, ROCm, CPU", "check": "vllm"},
     "SGLang": {"layers": ["API", "server", "engine", "runtime"], "backends": "CUDA, ROCm", "check": None},
     "TGI": {"layers": ["API", "server", "engine"], "backends": "CUDA, ROCm, Gaudi", "check": None},
@@ -66,8 +76,28 @@ def _timed(engine, request: Request) -> dict[str, Any]:
             "token_source": tr.token_source}
 
 
+def weights_read(engine, model_path: Any = None) -> tuple[float | None, str]:
+    """Bytes of weights one decode step of `engine` streams from memory, and their format.
+
+    A torch model is measured in memory (what transformers really holds: float32 here,
+    tied embeddings counted once); otherwise the card of the model file the engine loaded
+    (`model_path`, or the engine's own `describe()["model"]`). (None, why) when unknown,
+    e.g. a model behind Ollama's API.
+    """
+    model, torch = getattr(engine, "model", None), sys.modules.get("torch")
+    if torch is not None and isinstance(model, torch.nn.Module):
+        params = list(model.parameters())
+        return float(sum(p.numel() * p.element_size() for p in params)), f"torch {params[0].dtype}".replace("torch.", "")
+    from infercourse.models.modelcard import model_card
+    try:
+        card = model_card(model_path or engine.describe()["model"])
+    except Exception as e:  # a served name, no file here: no ceiling rather than a wrong one
+        return None, f"unknown ({type(e).__name__})"
+    return float(card.weight_bytes()), card.quantization
+
+
 def first_answers(factories: dict[str, Callable[[], Any]], prompt: str, *,
-                  max_tokens: int = 32) -> pd.DataFrame:
+                  max_tokens: int = 32, bandwidth_gbs: float | None = None) -> pd.DataFrame:
     """Stream one greedy answer from each engine; an engine that cannot start gets a row
     with its error (which names the layer) instead of an exception.
 
@@ -75,21 +105,30 @@ def first_answers(factories: dict[str, Callable[[], Any]], prompt: str, *,
         factories: {label: zero-argument function that builds the engine}.
         prompt: the user message sent to every engine.
         max_tokens: cap on generated tokens.
+        bandwidth_gbs: measured bandwidth; each row then gets its own decode ceiling,
+            bandwidth / the bytes *that engine* reads per token (`weights_read`).
     """
     rows = []
     for label, make in factories.items():
         try:
             with contextlib.ExitStack() as stack:
-                engine = make()
+                engine, path = make(), None
                 if hasattr(engine, "__exit__"):  # a server that must be torn down
+                    path = getattr(engine, "model_path", None)
                     engine = stack.enter_context(engine).engine()
                 row = {"engine": label, "ok": True, "why": "",
                        **_timed(engine, Request(messages=[{"role": "user", "content": prompt}],
                                                 max_tokens=max_tokens))}
+                nbytes, fmt = weights_read(engine, path)
+                row.update(weights=fmt, weight_mb=nbytes / 1e6 if nbytes else float("nan"))
         except Exception as e:  # the row records why; the next engine still runs
             row = {"engine": label, "ok": False, "why": f"{type(e).__name__}: {e}"}
         rows.append(row)
-    return pd.DataFrame(rows).set_index("engine")
+    df = pd.DataFrame(rows).set_index("engine")
+    if bandwidth_gbs and "weight_mb" in df:
+        df["ceiling_tok_per_s"] = bandwidth_gbs * 1e3 / df["weight_mb"]
+        df["pct_of_ceiling"] = 100 * df["decode_tok_per_s"] / df["ceiling_tok_per_s"]
+    return df
 
 
 def through_layers(prompt: str, *, max_tokens: int = 32, repeats: int = 3, n_threads: int = 1,
@@ -139,17 +178,24 @@ def engine_factories(names: list[str], *, model=None, n_threads: int = 1,
     return {n: builders[n] for n in names}
 
 
-def explain_first_answers(answers: pd.DataFrame, ceiling_tok_per_s: float) -> str:
-    """Sentences computed from the measured table (so no number in the prose is typed in)."""
+def explain_first_answers(answers: pd.DataFrame) -> str:
+    """Sentences computed from the measured table (so no number in the prose is typed in):
+    fastest and slowest engine, each against its own ceiling (`first_answers(bandwidth_gbs=)`)."""
     ok = answers[answers["ok"]]
     if ok.empty:
         return "No engine could run here: see the `why` column."
+
+    def vs_ceiling(name):
+        row = ok.loc[name]
+        if "ceiling_tok_per_s" not in ok or not row["ceiling_tok_per_s"] > 0:
+            return "its bytes per token are unknown here, so no ceiling"
+        return (f"{row['pct_of_ceiling']:.0f}% of its own {row['ceiling_tok_per_s']:.0f} tok/s ceiling "
+                f"({row['weight_mb']:.0f} MB of {row['weights']} weights per token)")
     best, worst = ok["decode_tok_per_s"].idxmax(), ok["decode_tok_per_s"].idxmin()
-    lines = [f"- Fastest decode: **{best}** at {ok.loc[best, 'decode_tok_per_s']:.1f} tok/s, "
-             f"{100 * ok.loc[best, 'decode_tok_per_s'] / ceiling_tok_per_s:.0f}% of the "
-             f"{ceiling_tok_per_s:.0f} tok/s bandwidth ceiling.",
+    lines = [f"- Fastest decode: **{best}** at {ok.loc[best, 'decode_tok_per_s']:.1f} tok/s, {vs_ceiling(best)}.",
              f"- Slowest: **{worst}** at {ok.loc[worst, 'decode_tok_per_s']:.1f} tok/s "
-             f"({ok.loc[best, 'decode_tok_per_s'] / ok.loc[worst, 'decode_tok_per_s']:.1f}× slower)."]
+             f"({ok.loc[best, 'decode_tok_per_s'] / ok.loc[worst, 'decode_tok_per_s']:.1f}× slower), "
+             f"{vs_ceiling(worst)}."]
     for name, row in answers[~answers["ok"]].iterrows():
         lines.append(f"- **{name}** did not run: {row['why'][:200]}")
     return "\n".join(lines)
@@ -196,3 +242,98 @@ def explain_layers(df: pd.DataFrame) -> str:
             f"(runtime alone: {1000 * med.loc[runtime, 'ttft_s']:.0f} ms). Decode speed: "
             f"{med.loc[runtime, 'decode_tok_per_s']:.0f} tok/s in process vs "
             f"{med.loc[served, 'decode_tok_per_s']:.0f} tok/s through the server.")
+
+
+def raw_exchange(url: str, prompt: str, *, max_tokens: int = 8, model: str = "any") -> dict[str, Any]:
+    """One streamed chat request sent by hand: the literal HTTP request and every line
+    of the server-sent events (SSE) stream that comes back, before any library parses them
+    (`events`: each `data:` JSON; `texts`: the text each one carried).
+
+    Args:
+        url: the server's root, e.g. `LlamaServer(...).url` (loopback).
+        prompt: the user message.
+        max_tokens: tokens to stream (each arrives as one `data: {...}` event).
+        model: the `model` field (llama-server serves one model and accepts any name).
+    """
+    import httpx
+    from infercourse.core.errors import APILayerError
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    payload = json.dumps(body)
+    host = url.split("://", 1)[-1].rstrip("/")
+    request = (f"POST /v1/chat/completions HTTP/1.1\nHost: {host}\nContent-Type: application/json\n"
+               f"Content-Length: {len(payload)}\n\n{payload}")
+    try:
+        with httpx.stream("POST", url.rstrip("/") + "/v1/chat/completions", content=payload,
+                          headers={"Content-Type": "application/json"}, timeout=60) as r:
+            lines = list(r.iter_lines())
+    except httpx.HTTPError as e:
+        raise APILayerError(f"raw request to {url} failed: {e}") from e
+    events = [json.loads(line[5:]) for line in lines
+              if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    texts = [((e.get("choices") or [{}])[0].get("delta") or {}).get("content") or "" for e in events]
+    return {"request": request, "status": r.status_code, "content_type": r.headers.get("content-type", ""),
+            "lines": lines, "events": events, "texts": texts}
+
+
+# Which notebook teaches which layer (top to bottom), and the tools that fill the layer.
+STACK: list[tuple[str, str, tuple[str, ...]]] = [
+    ("user", "a person or a program waiting for text", ()),
+    ("agent", "a loop of model calls + tools; re-sends the context", ("02",)),
+    ("API", "chat template, JSON over HTTP, SSE streaming", ("01",)),
+    ("inference server", "slots, queue, /metrics (llama-server, vLLM, Ollama)", ("01", "05")),
+    ("engine", "scheduling, batching, KV + prefix caches, speculation", ("04", "05", "07", "08")),
+    ("runtime", "runs the model's ops: llama.cpp, MLX-LM, transformers", ("00", "03")),
+    ("compute backend", "kernels: CPU SIMD, CUDA, Metal; quantized math", ("03", "06")),
+    ("hardware", "memory bandwidth and FLOP/s: the ceilings", ("00", "03")),
+    ("model", "weights and architecture: params, layers, KV heads", ("00", "04", "06")),
+]
+
+
+def draw_stack(path: Any = None, *, ax=None):
+    """Draw the stack as boxes, top (user) to bottom (model), each with the notebooks that
+    teach it; returns the Axes (and saves a PNG to `path` when given).
+
+    Args:
+        path: where to save the figure (None: don't save).
+        ax: an Axes to draw on (None: a new figure).
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11.5, 6.2))
+    n = len(STACK)
+    cmap = plt.get_cmap("viridis")
+    for i, (name, what, nbs) in enumerate(STACK):
+        y = n - 1 - i
+        ax.add_patch(FancyBboxPatch((0, y + 0.08), 9.4, 0.84, boxstyle="round,pad=0.02",
+                                    fc=cmap(0.1 + 0.55 * i / n), ec="none"))
+        ax.text(0.2, y + 0.5, name, va="center", fontsize=12, weight="bold", color="white")
+        ax.text(2.9, y + 0.5, what, va="center", fontsize=10, color="white")
+        for k, nb in enumerate(nbs):
+            ax.add_patch(FancyBboxPatch((9.7 + 0.62 * k, y + 0.22), 0.5, 0.56, boxstyle="round,pad=0.03",
+                                        fc="white", ec="0.3"))
+            ax.text(9.95 + 0.62 * k, y + 0.5, nb, ha="center", va="center", fontsize=10)
+    ax.annotate("", xy=(-0.25, 0.2), xytext=(-0.25, n - 0.2),
+                arrowprops=dict(arrowstyle="->", color="0.4", lw=1.5))
+    ax.text(-0.45, n / 2, "a request goes down; tokens come back up", rotation=90,
+            va="center", ha="center", fontsize=9, color="0.3")
+    ax.text(10.9, n + 0.05, "notebooks", ha="center", fontsize=10, color="0.3")
+    ax.set(xlim=(-0.7, 12.3), ylim=(-0.1, n + 0.45))
+    ax.axis("off")
+    ax.set_title("The LLM inference stack, and which notebook measures each layer", fontsize=12)
+    if path is not None:
+        ax.figure.savefig(path, dpi=110, bbox_inches="tight")
+    return ax
+
+
+def plot_engine_speeds(answers: pd.DataFrame, ax=None):
+    """Decode tok/s per engine (bars) against each engine's own ceiling (black ticks)."""
+    from infercourse.measure.plots import engine_speeds
+    ax = engine_speeds(answers, ax=ax)
+    ok = answers[answers["ok"]] if "ok" in answers else answers
+    if "ceiling_tok_per_s" in ok:
+        ax.scatter(ok["ceiling_tok_per_s"], list(map(str, ok.index)), marker="|", s=400, color="k",
+                   label="its bandwidth ceiling (bytes it reads per token)", zorder=3)
+        ax.legend(loc="lower right")
+    return ax

@@ -3,7 +3,8 @@
 Decoding one token reads every weight once, plus the KV cache of the context so far, so
 decode speed can never beat  memory bandwidth / bytes read per token. Prefill does about
 2 FLOPs per parameter per prompt token (one multiply and one add), so it can never beat
-FLOP/s / (2 * params). `probe()` measures both ceilings here in a few seconds with numpy
+FLOP/s / (2 * params multiplied per token: the embedding is a lookup, not a
+matmul). `probe()` measures both ceilings here in a few seconds with numpy
 (large-array max and copy for bandwidth, float32 matmul for FLOP/s, best of N): a
 simple, repeatable stand-in for STREAM and a BLAS benchmark, not a tuned record.
 
@@ -28,6 +29,7 @@ from infercourse.models.modelcard import kv_bytes_per_token
 
 __all__ = ["probe", "memory_bandwidth_gbs", "matmul_gflops", "kv_bytes_per_token",
            "bytes_per_decoded_token", "decode_ceiling_tok_per_s", "prefill_ceiling_tok_per_s",
+           "prefill_params_per_token",
            "mbu", "arithmetic_intensity", "balance_tokens", "ceilings", "chunks_per_second"]
 
 
@@ -153,9 +155,22 @@ def decode_ceiling_tok_per_s(bandwidth_gbs: float, card: Any, context: int = 0, 
     return bandwidth_gbs * 1e9 / bytes_per_decoded_token(card, context, **kw)
 
 
+def prefill_params_per_token(card: Any) -> float:
+    """Parameters a prefilled prompt token is multiplied by: all of them except the
+    vocab x hidden embedding, which is a table lookup for input tokens and, as the output
+    head, runs only for the last prompt token (one head counted; a card without vocab_size
+    and hidden_size keeps every parameter)."""
+    p = _params(card)
+    try:
+        emb = _field(card, "vocab_size") * _field(card, "hidden_size")
+    except (KeyError, AttributeError):
+        return p
+    return p - emb if 0 < emb < p else p
+
+
 def prefill_ceiling_tok_per_s(gflops: float, card: Any) -> float:
-    """Upper bound on prefill speed: FLOP/s / (2 FLOPs x params per token)."""
-    return gflops * 1e9 / (2 * _params(card))
+    """Upper bound on prefill speed: FLOP/s / (2 FLOPs x params multiplied per token)."""
+    return gflops * 1e9 / (2 * prefill_params_per_token(card))
 
 
 def mbu(decode_tok_per_s: float, bandwidth_gbs: float, card: Any, context: int = 0, **kw: Any) -> float:
