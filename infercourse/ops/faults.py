@@ -200,7 +200,7 @@ def _overloaded(f: Injected, server, seconds: float):
         workers = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(2 * slots)]
         for w in workers:
             w.start()
-        f.notes = {"slots": slots, "streams": len(workers), "deferred": _wait_deferred(srv.url, 15.0)}
+        f.notes = {"slots": slots, "streams": len(workers), "all_busy": _wait_busy(srv.url, 15.0)}
         f.url, f.server = srv.url, srv
         try:   # what one more user sees: a request that waits for a slot until it gives up
             list(srv.engine(timeout=2.0).stream("Hi", max_tokens=4))
@@ -214,16 +214,16 @@ def _overloaded(f: Injected, server, seconds: float):
                 w.join(10)
 
 
-def _wait_deferred(url: str, within_s: float) -> float | None:
-    from infercourse.ops.probes import parse_metrics
+def _wait_busy(url: str, within_s: float) -> bool:
+    """Wait until every slot of the server is processing (its /slots says so)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            n = parse_metrics(httpx.get(url + "/metrics", timeout=2).text).get("llamacpp:requests_deferred")
-            if n:
-                return n
+        with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):
+            slots = httpx.get(url + "/slots", timeout=2).json()
+            if slots and all(s.get("is_processing") for s in slots):
+                return True
         time.sleep(0.2)
-    return None
+    return False
 
 
 @contextlib.contextmanager

@@ -55,20 +55,29 @@ def _start_failing(f, srv) -> None:
 
 @contextlib.contextmanager
 def memory_limited(f, server, seconds: float):
+    """A server whose address space (RLIMIT_AS) is too small for the context it is asked for.
+
+    Args:
+        f: the `Injected` record to fill.
+        server: a running embedded-model server to calibrate on (None: a small one, briefly).
+        seconds: unused (the fault is over when the server has failed to start).
+    """
     if not sys.platform.startswith("linux"):
         raise HardwareLayerError("RLIMIT_AS is only enforced on Linux", hint="this fault is skipped here")
     import psutil
-    healthy = server or small_server().start()   # calibrate: a working server's address space
+    # calibrate on a working server of the same model: its address space without the big cache
+    lent = server is not None and getattr(server, "model_path", None) == embedded_gguf()
+    healthy = server if lent else small_server().start()
     try:
         base = psutil.Process(healthy.pid).memory_info().vms
     finally:
-        if server is None:
+        if not lent:
             healthy.stop()
-    ctx = 1 << 16                      # 64 Ki tokens: ~1.5 GB of KV cache for SmolLM2-135M
-    from infercourse.models.modelcard import model_card
-    kv = int(model_card(embedded_gguf()).kv_bytes_per_token() * ctx)
-    srv = _Limited(base + kv // 2, threads=1, n_parallel=1, ctx_size=ctx, startup_timeout_s=60)
-    f.notes = {"limit_bytes": base + kv // 2, "kv_cache_bytes": kv, "ctx_size": ctx}
+    # 64 Ki tokens of KV cache: 22.5 KiB a token for SmolLM2-135M (f16 K+V, 30 layers x 3 heads x 64),
+    # ~1.4 GiB; the limit leaves room for only a third of it
+    ctx, margin = 1 << 16, 512 << 20
+    srv = _Limited(base + margin, threads=1, n_parallel=1, ctx_size=ctx, startup_timeout_s=60)
+    f.notes = {"limit_bytes": base + margin, "calibrated_vms_bytes": base, "ctx_size": ctx}
     try:
         _start_failing(f, srv)
         yield
@@ -78,6 +87,13 @@ def memory_limited(f, server, seconds: float):
 
 @contextlib.contextmanager
 def model_file(f, server, seconds: float, corrupt: bool):
+    """A server pointed at a model file that is deleted (`corrupt=False`) or truncated.
+
+    Args:
+        f: the `Injected` record to fill.
+        server, seconds: unused (the fault starts its own server).
+        corrupt: truncate to 4 MiB instead of deleting.
+    """
     with tempfile.TemporaryDirectory(prefix="infercourse-fault-") as tmp:
         path = Path(tmp) / "model.gguf"
         with open(embedded_gguf(), "rb") as src, open(path, "wb") as dst:
@@ -101,6 +117,12 @@ BROKEN_TEMPLATE = ("{%- for m in messages -%}{%- if m.role == 'tool' or m.tool_c
 
 @contextlib.contextmanager
 def template_breaks_tools(f, server, seconds: float):
+    """A server whose chat template raises on tool turns; a client sends one.
+
+    Args:
+        f: the `Injected` record to fill.
+        server, seconds: unused (the fault starts its own server, stopped on exit).
+    """
     from infercourse.ops.probes import TOOL_TURN
     with tempfile.TemporaryDirectory(prefix="infercourse-fault-") as tmp:
         tpl = Path(tmp) / "broken.jinja"
