@@ -221,7 +221,7 @@ def test_killed_derivation_is_not_taken_as_valid(tmp_path):
     import subprocess
     import sys
     target = tmp_path / "t"
-    code = ("import sys, time; from pathlib import Path; from infercourse import formats\n"
+    code = ("import sys, time; from pathlib import Path; from infercourse.models import formats\n"
             "def build(out):\n"
             "    (out / 'part').write_bytes(b'x'); print('started', flush=True); time.sleep(60)\n"
             f"formats._derive(Path({str(target)!r}), build)\n")
