@@ -4,14 +4,22 @@
 folder and prints a summary with its warnings; `report` puts finished runs side by side
 with the conditions that differ between them. Both are thin: every number comes from
 `bench`, `metrics` and `results`, exactly as in the notebooks.
+
+Exit codes: 0 done, 1 the run failed for a reason infercourse names (any
+`InferCourseError`: one line on stderr, no traceback), 2 bad usage, 130 interrupted
+(the summary of what finished is printed first). Anything else is a bug in infercourse
+and keeps its traceback.
 """
 from __future__ import annotations
 
 import argparse
+import functools
+import math
+import os
 import sys
 from pathlib import Path
 
-__all__ = ["bench_main", "report_main"]
+__all__ = ["bench_main", "report_main", "parse_slos"]
 
 WORKLOADS = ("fixed", "shared-prefix", "shared-prefix-timestamp", "shared-prefix-reordered", "agentic")
 
@@ -39,6 +47,32 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def parse_slos(text: str) -> dict[str, float]:
+    """`ttft=0.5,tpot=0.05` -> {"ttft_s": 0.5, "tpot_s": 0.05}: names are `summary.SLO_METRICS`
+    columns, the `_s` of a latency may be left off; targets are positive numbers."""
+    from infercourse.core.summary import SLO_METRICS
+    out: dict[str, float] = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        key = name if name in SLO_METRICS else f"{name}_s"
+        if not eq or key not in SLO_METRICS:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(SLO_METRICS))}")
+        try:
+            target = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: {value!r} is not a number") from None
+        if not math.isfinite(target) or target <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: the target must be a positive number")
+        out[key] = target
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one SLO, e.g. ttft=0.5,tpot=0.05")
+    return out
+
+
 def bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infercourse bench", description=(
         "Run a load pattern against an engine, record every request (latency measured from "
@@ -53,6 +87,11 @@ def bench_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=_positive(int), help="llamacpp CPU threads (default: physical cores)")
     g.add_argument("--n-ctx", type=_positive(int), default=8192, help="llamacpp context window (default 8192)")
     g.add_argument("--allow-remote", action="store_true", help="permit a server that is not on loopback")
+    g.add_argument("--api-key", help="bearer token for --engine http (default: $OPENAI_API_KEY); sent as a "
+                                     "header, never written to the results")
+    g.add_argument("--logprobs", action="store_true",
+                   help="ask the server for logprobs (exact tokens per chunk even when a chunk holds "
+                        "several; costs server time per token)")
     g = p.add_argument_group("load")
     g.add_argument("--pattern", choices=["sequential", "concurrency", "rate", "poisson", "sweep", "replay"],
                    default="sequential", help="closed loop (sequential, concurrency, sweep) or open loop "
@@ -71,13 +110,23 @@ def bench_parser() -> argparse.ArgumentParser:
                    help="fixed: prompts of exactly --prompt-tokens tokens; shared-prefix[-variant]: "
                         "one long system prompt, many tasks; agentic: the recorded coding session")
     g.add_argument("--prompt-tokens", type=_positive(int), default=64,
-                   help="prompt length for --workload fixed, counted by the model's tokenizer (default 64)")
+                   help="prompt length for --workload fixed (default 64), counted by the model's own "
+                        "tokenizer: in process, the engine's; over HTTP, the server's /tokenize "
+                        "(llama-server, vLLM) or --tokenizer")
+    g.add_argument("--tokenizer", type=Path, help="tokenizer of the served model for --prompt-tokens: "
+                                                  "a .gguf file, or an HF folder / tokenizer.json")
+    g.add_argument("--no-salt", action="store_true",
+                   help="send prompts as given; by default a per-run salt starts each prompt so a "
+                        "server's prompt cache cannot serve this run from an earlier one")
     g.add_argument("--max-tokens", type=_positive(int), default=32,
                    help="output tokens per request (default 32; agentic uses the recorded lengths)")
     g.add_argument("--ignore-eos", action="store_true", help="force exactly --max-tokens output tokens")
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, help="results folder (default: under the infercourse cache)")
     g.add_argument("--label", help="name of this run in reports")
+    g.add_argument("--slo", type=parse_slos, metavar="NAME=VALUE,...",
+                   help="service-level objectives, e.g. ttft=0.5,tpot=0.05 (seconds; *_tok_per_s are "
+                        "lower bounds): prints goodput, the share of requests meeting all of them")
     g.add_argument("--roofline", action="store_true",
                    help="probe this machine (~5 s) and print the decode ceiling and bandwidth utilisation")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -99,20 +148,41 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--roofline needs --engine llamacpp: the ceiling is computed from the local model file")
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if a.engine != "http" and (a.api_key or a.logprobs):
+        p.error("--api-key and --logprobs only apply to --engine http")
+    if a.tokenizer is not None and not a.tokenizer.exists():
+        p.error(f"--tokenizer {a.tokenizer}: no such file or folder")
 
 
-def _tokenizer(engine):
+def _file_tokenizer(path: Path):
+    """A tokenizer from a file: a .gguf (llama.cpp, vocabulary only) or an HF tokenizer
+    (a folder holding tokenizer.json, or the file itself)."""
+    if path.suffix == ".gguf":
+        import llama_cpp
+        vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        return lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        from infercourse.core.errors import BackendMissingError
+        raise BackendMissingError("reading an HF tokenizer needs the `tokenizers` package",
+                                  hint="pip install 'infercourse[hf]', or give a .gguf") from e
+    tok = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+    return lambda text: tok.encode(text).ids
+
+
+def _tokenizer(a: argparse.Namespace, engine):
+    """Count with the model that answers: --tokenizer, else the in-process engine's own,
+    else the server's /tokenize; never silently with another model's."""
     from infercourse.measure.workloads import local_tokenizer
-    if hasattr(engine, "tokenize"):
-        return local_tokenizer(engine)
-    import llama_cpp  # a served model: count with the embedded model's tokenizer (vocab only)
-
-    from infercourse.models.embedded import embedded_gguf
-    vocab = llama_cpp.Llama(model_path=str(embedded_gguf()), vocab_only=True, verbose=False)
-    return lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+    if a.tokenizer is not None:
+        return _file_tokenizer(a.tokenizer)
+    if hasattr(engine, "server_tokenizer"):
+        return engine.server_tokenizer()
+    return local_tokenizer(engine)
 
 
-def _workload(a: argparse.Namespace, engine):
+def _workload(a: argparse.Namespace, engine, salt: str | None):
     from infercourse.measure import workloads as wl
     from infercourse.core.types import Request
     if a.workload == "agentic":
@@ -122,56 +192,88 @@ def _workload(a: argparse.Namespace, engine):
                    "shared-prefix-reordered": "reordered_tools"}[a.workload]
         return wl.shared_prefix_workload(min(a.requests or 16, 64), variant=variant,
                                          max_tokens=a.max_tokens, seed=a.seed)
-    tok, n = _tokenizer(engine), min(a.requests or 8, 64)   # distinct prompts: no cache reuse
-    reqs = tuple(Request(prompt=wl.exact_length_prompt(a.prompt_tokens, tok, seed=a.seed + i),
+    tok, n = _tokenizer(a, engine), min(a.requests or 8, 64)   # distinct prompts: no cache reuse
+    # the salt is part of the prompt, so it counts towards --prompt-tokens
+    lead = "" if salt is None else f"{salt}\n"
+    reqs = tuple(Request(prompt=wl.exact_length_prompt(a.prompt_tokens, lambda t: tok(lead + t), seed=a.seed + i),
                          max_tokens=a.max_tokens, seed=a.seed) for i in range(n))
     return wl.Workload(f"fixed-{a.prompt_tokens}tok", reqs)
 
 
-def _print_summary(r) -> None:
+def _print_summary(r, slos=None) -> None:
     from infercourse.core import summary
+    from infercourse.measure.results import report_lines
     out = sys.stdout  # looked up at call time: notebooks and tests swap it
-    cols = [c for c in ("count", "p50", "p95", "p99", "max") if c in r.summary]
-    print(r.summary[cols].to_string(float_format=lambda v: f"{v:.4g}"), file=out)
-    t = summary.throughput(r.df)
+    if len(r.summary):
+        cols = [c for c in ("count", "p50", "p95", "p99", "max") if c in r.summary]
+        print(r.summary[cols].to_string(float_format=lambda v: f"{v:.4g}"), file=out)
+    t = summary.throughput(r.df) if len(r.df) else {"completed": 0, "requests": 0, "requests_per_s": math.nan,
+                                                    "output_tok_per_s": math.nan, "wall_s": math.nan}
     print(f"\n{t['completed']}/{t['requests']} ok, {t['requests_per_s']:.3g} req/s, "
           f"{t['output_tok_per_s']:.4g} output tok/s over {t['wall_s']:.3g} s", file=out)
+    for line in report_lines(r.df, slos) if len(r.df) else []:
+        print(line, file=out)
     for w in r.warnings:
         print(f"WARNING: {w}", file=out)
     print(f"results: {r.dir}", file=out)
 
 
+def _clean_errors(main):
+    """Every InferCourseError is a named failure, not a bug: one line on stderr, exit 1
+    (after the summary of whatever finished). Anything else keeps its traceback."""
+    @functools.wraps(main)
+    def wrapper(argv: list[str] | None = None) -> int:
+        from infercourse.core.errors import InferCourseError
+        try:
+            return main(argv)
+        except InferCourseError as e:
+            if hasattr(e.partial, "df") and hasattr(e.partial, "dir"):
+                _print_summary(e.partial)
+            lines = str(e.message).strip().splitlines() or [type(e).__name__]
+            more = " (more in the log it names)" if len(lines) > 1 else ""
+            hint = f" {e.hint}" if e.hint else ""
+            print(f"error: {lines[0]}{more} ({e.layer} layer).{hint}", file=sys.stderr)
+            return 1
+    return wrapper
+
+
+@_clean_errors
 def bench_main(argv: list[str] | None = None) -> int:
-    """`infercourse bench`: returns the exit code (0 ok, 1 run failed, 2 bad usage)."""
+    """`infercourse bench`: returns the exit code (0 ok, 1 run failed, 2 bad usage, 130 interrupted)."""
     p = bench_parser()
     a = p.parse_args(argv)
     _check(p, a)
     from infercourse.measure import bench
-    from infercourse.core.errors import InferCourseError
-    try:
-        if a.engine == "http":
-            from infercourse.engines.openai_http import OpenAIHTTPEngine
-            engine = OpenAIHTTPEngine(a.url, model=a.model, api=a.api)
-        else:
-            from infercourse.engines.llamacpp import LlamaCppEngine
-            engine = LlamaCppEngine(a.model, n_ctx=a.n_ctx, n_threads=a.threads, seed=a.seed)
-        work = _workload(a, engine)
-        kw = dict(seed=a.seed, warmup=a.warmup, max_duration_s=a.duration, out_dir=a.out, label=a.label,
-                  ignore_eos=True if a.ignore_eos else None, progress=not a.no_progress,
-                  allow_remote=a.allow_remote)
-        if a.pattern == "sweep":
-            table, _ = bench.sweep(engine, work, a.concurrency_list, requests_per_level=a.requests, **kw)
-            print(table.to_string(float_format=lambda v: f"{v:.4g}"))
-            return 0
-        r = bench.run(engine, work, pattern=a.pattern, concurrency=a.concurrency, rate_rps=a.rate,
-                      max_requests=a.requests, **kw)
-        _print_summary(r)
-        if a.roofline:
-            _print_roofline(engine, r)
+    if a.engine == "http":
+        from infercourse.engines.openai_http import OpenAIHTTPEngine
+        engine = OpenAIHTTPEngine(a.url, model=a.model, api=a.api, logprobs=a.logprobs,
+                                  api_key=a.api_key or os.environ.get("OPENAI_API_KEY") or None)
+    else:
+        from infercourse.engines.llamacpp import LlamaCppEngine
+        engine = LlamaCppEngine(a.model, n_ctx=a.n_ctx, n_threads=a.threads, seed=a.seed)
+    # A fixed workload's prompts are built with the run's salt in them, so they are exactly
+    # --prompt-tokens long. A sweep salts each level afresh (no level may hit the previous
+    # one's prompts): its prompts are built with a salt of the same form, so they may be a
+    # token or two off where another salt tokenizes differently.
+    salt = None if a.no_salt or a.workload != "fixed" else bench.new_salt()
+    work = _workload(a, engine, salt)
+    kw = dict(seed=a.seed, warmup=a.warmup, max_duration_s=a.duration, out_dir=a.out, label=a.label,
+              ignore_eos=True if a.ignore_eos else None, progress=not a.no_progress,
+              allow_remote=a.allow_remote,
+              salt=False if a.no_salt else (None if a.pattern == "sweep" else salt))
+    if a.pattern == "sweep":
+        table, runs = bench.sweep(engine, work, a.concurrency_list, requests_per_level=a.requests, **kw)
+        if a.slo:
+            from infercourse.core.summary import goodput
+            table["good_fraction"] = [goodput(r.df, a.slo)["good_fraction"] for r in runs]
+        print(table.to_string(float_format=lambda v: f"{v:.4g}"))
         return 0
-    except InferCourseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    r = bench.run(engine, work, pattern=a.pattern, concurrency=a.concurrency, rate_rps=a.rate,
+                  max_requests=a.requests, **kw)
+    _print_summary(r, a.slo)
+    if a.roofline:
+        _print_roofline(engine, r)
+    return 130 if r.manifest.get("stopped") == "interrupted" else 0
 
 
 def _print_roofline(engine, r) -> None:
@@ -185,6 +287,7 @@ def _print_roofline(engine, r) -> None:
           f"context {ctx:.0f}; measured p50 {dec:.4g} tok/s = {dec / ceiling:.1%} bandwidth utilisation")
 
 
+@_clean_errors
 def report_main(argv: list[str] | None = None) -> int:
     """`infercourse report DIR...`: a comparison table and the conditions that differ."""
     p = argparse.ArgumentParser(prog="infercourse report", description=(

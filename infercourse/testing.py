@@ -7,6 +7,7 @@ never a model: nothing here pretends to generate text.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from typing import Any
@@ -18,17 +19,26 @@ __all__ = ["SSESource"]
 
 _SSE_SERVER = r"""
 import asyncio, json, sys
-TTFT, GAP = float(sys.argv[2]), float(sys.argv[3])
+import os
+TTFT, GAP, PER, KEY = float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), os.environ.get("SSE_KEY", "")
 
 def chunk(obj):
     data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
     return b"%X\r\n%s\r\n" % (len(data), data)
 
-def token(finish):
-    return chunk({"choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": finish,
-                               "logprobs": {"content": [{"token": "tok", "logprob": 0.0}]}}]})
+def token(finish, k, logprobs):
+    choice = {"index": 0, "delta": {"content": "tok " * k}, "text": "tok " * k, "finish_reason": finish}
+    if logprobs:
+        choice["logprobs"] = {"content": [{"token": "tok", "logprob": 0.0}] * k}
+    return chunk({"choices": [choice]})
 
-TOKEN, LAST = token(None), token("length")   # serialised once: the source must be cheap
+# serialised once: the source must be cheap. [logprobs][last]
+TOKEN = {lp: (token(None, PER, lp), token("length", PER, lp)) for lp in (False, True)}
+
+def reply(writer, status, obj):
+    out = json.dumps(obj).encode()
+    writer.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (status, len(out), out))
 
 async def handle(reader, writer):
     try:
@@ -36,28 +46,34 @@ async def handle(reader, writer):
             head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
             length = next((int(h.split(":")[1]) for h in head if h.lower().startswith("content-length")), 0)
             body = json.loads(await reader.readexactly(length)) if length else {}
-            if head[0].startswith("GET"):
-                out = json.dumps({"data": [{"id": "sse-source"}]}).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                             % (len(out), out))
-                continue
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-            n = int(body.get("max_tokens", 16))
-            await asyncio.sleep(TTFT)
-            for i in range(n):
-                writer.write(LAST if i == n - 1 else TOKEN)
-                if GAP:
-                    await asyncio.sleep(GAP)
-                if GAP or i % 64 == 63:
-                    await writer.drain()
-            writer.write(chunk({"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": n}}))
-            writer.write(chunk(b"[DONE]") + b"0\r\n\r\n")
+            auth = next((h.split(":", 1)[1].strip() for h in head if h.lower().startswith("authorization")), "")
+            if KEY and auth != "Bearer " + KEY:
+                reply(writer, 401, {"error": {"message": "Invalid API Key", "code": 401}})
+            elif head[0].startswith("GET"):
+                reply(writer, 200, {"data": [{"id": "sse-source"}]})
+            elif head[0].startswith("POST /tokenize"):   # a toy count: BOS + one per word
+                reply(writer, 200, {"tokens": list(range(1 + len(body.get("content", "").split())))})
+            else:
+                await stream(writer, int(body.get("max_tokens", 16)), bool(body.get("logprobs")))
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
         writer.close()
 
+async def stream(writer, n, logprobs):
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    await asyncio.sleep(TTFT)
+    n_chunks = -(-n // PER)
+    for i in range(n_chunks):
+        writer.write(TOKEN[logprobs][i == n_chunks - 1])
+        if GAP:
+            await asyncio.sleep(GAP)
+        if GAP or i % 64 == 63:
+            await writer.drain()
+    writer.write(chunk({"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": n_chunks * PER}}))
+    writer.write(chunk(b"[DONE]") + b"0\r\n\r\n")
+
 async def main():
-    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]), backlog=1024)
     print("ready", flush=True)
     await server.serve_forever()
 
@@ -67,22 +83,30 @@ asyncio.run(main())
 
 class SSESource:
     """A stand-in OpenAI-style streaming server (a subprocess on 127.0.0.1): it answers
-    every POST with `max_tokens` one-token chunks, `ttft_s` after the request and
-    `gap_s` apart. Hand-written (~40 lines) because it must be faster than any real
-    server, to probe the client alone, and exactly timed, to test load patterns.
+    every completion POST with `max_tokens` tokens in chunks of `tokens_per_chunk`, `ttft_s`
+    after the request and `gap_s` apart (logprobs only when asked), then a usage block.
+    Hand-written (~50 lines) because it must be faster than any real server, to probe the
+    client alone, and exactly timed, to test load patterns. `POST /tokenize` answers a toy
+    count (BOS + one per whitespace word), not a model's, so tests can check *which*
+    tokenizer a client used.
 
     Args:
         ttft_s: delay before the first chunk.
         gap_s: delay between chunks (0: as fast as the socket takes them).
+        tokens_per_chunk: tokens in each chunk (more than 1: a server that batches SSE).
+        api_key: if given, every request without `Authorization: Bearer <key>` gets a 401.
     """
 
-    def __init__(self, ttft_s: float = 0.0, gap_s: float = 0.0):
+    def __init__(self, ttft_s: float = 0.0, gap_s: float = 0.0, tokens_per_chunk: int = 1,
+                 api_key: str | None = None):
         self.port, self.ttft_s, self.gap_s = free_port(), ttft_s, gap_s
+        self.tokens_per_chunk, self._key = tokens_per_chunk, api_key or ""
         self.url, self.proc = f"http://127.0.0.1:{self.port}", None
 
     def __enter__(self) -> "SSESource":
         self.proc = subprocess.Popen([sys.executable, "-c", _SSE_SERVER, str(self.port), str(self.ttft_s),
-                                      str(self.gap_s)], stdout=subprocess.PIPE, text=True)
+                                      str(self.gap_s), str(self.tokens_per_chunk)], stdout=subprocess.PIPE,
+                                     text=True, env={**os.environ, "SSE_KEY": self._key})
         if self.proc.stdout.readline().strip() != "ready":
             self.stop()
             raise ServerLayerError("the SSE source did not start")

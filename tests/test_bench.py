@@ -34,18 +34,21 @@ def max_overlap(traces):
 
 
 class FakeEngine:
-    """In-process engine: `delay_s` per token; raises KeyboardInterrupt on call `interrupt_at`."""
+    """In-process engine: `delay_s` per token; raises KeyboardInterrupt on call `interrupt_at`
+    after `interrupt_after` tokens. Keeps every prompt it was sent."""
 
     name = "fake"
 
-    def __init__(self, delay_s=0.002, interrupt_at=None):
+    def __init__(self, delay_s=0.002, interrupt_at=None, interrupt_after=0):
         self.calls, self.delay_s, self.interrupt_at = 0, delay_s, interrupt_at
+        self.interrupt_after, self.prompts = interrupt_after, []
 
     def stream(self, request):
         self.calls += 1
-        if self.calls == self.interrupt_at:
-            raise KeyboardInterrupt
-        for _ in range(request.max_tokens):
+        self.prompts.append(request.prompt if request.prompt is not None else request.messages)
+        for k in range(request.max_tokens):
+            if self.calls == self.interrupt_at and k == self.interrupt_after:
+                raise KeyboardInterrupt
             time.sleep(self.delay_s)
             yield Event(t=time.perf_counter(), text="x", n_tokens=1)
         yield Event(t=time.perf_counter(), done=True, usage=Usage(1, request.max_tokens), finish_reason="length")
@@ -106,10 +109,66 @@ def test_replay_offsets_respected(tmp_path):
 def test_ctrl_c_in_process_keeps_finished(tmp_path):
     r = bench.run(FakeEngine(interrupt_at=5), [REQ], max_requests=10, warmup=1,
                   out_dir=tmp_path / "run", progress=False)
-    # call 1 is warm-up, calls 2-4 finish, call 5 is interrupted
-    assert len(r.traces) == 3 and len(lines(r)) == 3
+    # call 1 is warm-up, calls 2-4 finish, call 5 is interrupted: kept, as incomplete
+    assert [t.status for t in r.traces] == ["ok"] * 3 + ["incomplete"] and len(lines(r)) == 4
     assert r.manifest["stopped"] == "interrupted"
     assert json.loads((r.dir / "manifest.json").read_text())["status"].startswith("stopped")
+
+
+def test_ctrl_c_mid_request_keeps_its_partial_timings(tmp_path):
+    r = bench.run(FakeEngine(interrupt_at=3, interrupt_after=4), [REQ], max_requests=10, warmup=0,
+                  out_dir=tmp_path / "run", progress=False)
+    last = r.traces[-1]
+    assert [t.status for t in r.traces] == ["ok", "ok", "incomplete"]
+    assert len(last.chunk_t) == 4 and last.completion_tokens == 4       # the 4 chunks it received
+    assert last.end_t >= last.chunk_t[-1] and "interrupted" in last.error
+    assert r.df["status"].tolist() == ["ok", "ok", "incomplete"]         # in the frame...
+    assert [t.status for t in load_run(r.dir).traces] == ["ok", "ok", "incomplete"]   # ...and on disk
+    assert "1 incomplete" in r.report()
+
+
+def test_warmup_shares_no_prefix_and_runs_are_salted(tmp_path):
+    reqs = [Request(prompt=f"prompt number {i} about caching", max_tokens=3) for i in range(3)]
+    runs = []
+    for k in range(2):
+        eng = FakeEngine()
+        r = bench.run(eng, reqs, warmup=2, out_dir=tmp_path / f"run{k}", progress=False)
+        runs.append((eng.prompts, r.manifest["workload"]["salt"]))
+    (p0, salt0), (p1, salt1) = runs
+    assert salt0 and salt1 and salt0 != salt1                            # a fresh salt per run
+    warm, measured = p0[:2], p0[2:]
+    assert measured == [f"{salt0}\n{q.prompt}" for q in reqs]           # the salt comes first
+    assert all(w.split()[0] != m.split()[0] for w in warm for m in measured + [q.prompt for q in reqs])
+    assert all(a[:9] != b[:9] for a, b in zip(p0[2:], p1[2:]))           # runs share no prefix
+    chat = [Request(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])]
+    eng = FakeEngine()
+    r = bench.run(eng, chat, warmup=1, max_requests=1, out_dir=tmp_path / "chat", progress=False)
+    salt = r.manifest["workload"]["salt"]
+    assert eng.prompts[1][0]["content"] == f"{salt}\nbe brief" and eng.prompts[1][1]["content"] == "hi"
+    assert not eng.prompts[0][0]["content"].startswith(salt)
+
+
+def test_cache_workloads_and_replays_are_not_salted(tmp_path):
+    from infercourse.measure.workloads import Workload, shared_prefix_workload
+    assert shared_prefix_workload(2).cache_workload
+    reqs = (Request(prompt="a shared prefix, then task one"), Request(prompt="a shared prefix, then task two"))
+    for k, (work, kw) in enumerate([(Workload("cache", reqs, cache_workload=True), {}),
+                                    (list(reqs), {"salt": False})]):
+        eng = FakeEngine()
+        r = bench.run(eng, work, warmup=0, out_dir=tmp_path / f"r{k}", progress=False, **kw)
+        assert eng.prompts == [q.prompt for q in reqs] and r.manifest["workload"]["salt"] is None
+    eng = FakeEngine()
+    bench.replay(eng, [(0.0, reqs[0]), (0.01, reqs[1])], warmup=0, out_dir=tmp_path / "rp", progress=False)
+    assert eng.prompts == [q.prompt for q in reqs]
+    eng = FakeEngine()                       # nothing may be cached: nothing to salt away
+    bench.run(eng, [Request(prompt="x", cache_prompt=False)], warmup=0, out_dir=tmp_path / "nc", progress=False)
+    assert eng.prompts == ["x"]
+
+
+def test_write_inline_still_writes_everything(tmp_path):
+    r = bench.run(FakeEngine(delay_s=0), [REQ], max_requests=20, warmup=0, write_inline=True,
+                  out_dir=tmp_path / "run", progress=False)
+    assert len(lines(r)) == 20 == r.manifest["n_requests"]
 
 
 def test_max_duration_bounds_the_run(tmp_path):
@@ -246,15 +305,95 @@ def python_sigint_handler():
 
 @pytest.mark.slow
 def test_ctrl_c_async_keeps_finished_requests(source, tmp_path, python_sigint_handler):
-    # The run is bounded far beyond the interrupt (30 s, 100k requests) so that on a fast,
-    # quiet machine it cannot finish before the Ctrl-C lands at 0.8 s.
-    threading.Timer(0.8, _thread.interrupt_main).start()
-    r = bench.run(http_engine(source.url), [REQ], pattern="concurrency", concurrency=2,
+    # Ctrl-C lands when the 7th request starts (so >= 5 finished), whatever the machine's
+    # speed; the run is bounded far beyond it (30 s, 100k requests).
+    class CtrlCAtSeventh(EntryClock):
+        async def astream(self, request, client=None):
+            if len(self.entered) == 6:
+                _thread.interrupt_main()
+            self.entered[len(self.entered)] = time.perf_counter()
+            async for ev in self.inner.astream(request, client=client):
+                yield ev
+
+    r = bench.run(CtrlCAtSeventh(http_engine(source.url)), [REQ], pattern="concurrency", concurrency=2,
                   max_requests=100_000, max_duration_s=30, warmup=0, out_dir=tmp_path / "run",
                   progress=False)
     assert r.manifest["stopped"] == "interrupted"
-    assert 4 <= len(r.traces) < 100_000 and all(t.status == "ok" for t in r.traces)
+    ok = [t for t in r.traces if t.status == "ok"]
+    cut = [t for t in r.traces if t.status == "incomplete"]
+    assert 4 <= len(ok) < 100_000 and len(ok) + len(cut) == len(r.traces)
+    # both workers were mid-request (a worker sends its next request without yielding):
+    # kept as incomplete, with the chunks they had, not dropped
+    assert len(cut) == 2 and all(len(t.chunk_t) <= 10 and t.end_t >= t.sent_t for t in cut)
+    assert all((t.completion_tokens or 0) == len(t.chunk_t) and t.finish_reason is None for t in cut)
+    assert all("in flight when the run stopped (interrupted)" in t.error for t in cut)
+    assert sorted(t.status for t in load_run(r.dir).traces) == sorted(t.status for t in r.traces)
+
+
+@pytest.mark.slow
+def test_deadline_keeps_requests_queued_at_the_cap(tmp_path):
+    pytest.importorskip("httpx_sse")
+    with SSESource(ttft_s=0.05, gap_s=0.01) as src:        # ~0.15 s a request, 2 at a time
+        r = bench.run(http_engine(src.url), [REQ], pattern="rate", rate_rps=50.0, max_requests=60,
+                      max_in_flight=2, max_duration_s=0.6, warmup=0, salt=False,
+                      out_dir=tmp_path / "run", progress=False)
+    t0 = min(t.scheduled_t for t in r.traces)
+    queued = [t for t in r.traces if t.status == "incomplete"]
+    # ~30 were due within 0.6 s, the server finishes ~13/s: most were still waiting at the
+    # cap when the deadline passed. They are kept, never sent, not silently dropped.
+    assert len(queued) >= 5 and all(t.tags["sent"] is False and t.sent_t != t.sent_t for t in queued)
+    assert all(t.scheduled_t - t0 <= 0.6 for t in r.traces)             # only what was due
+    assert r.df["e2e_s"][r.df["status"] == "incomplete"].notna().all()   # waited at least this long
+    assert f"{len(queued)} incomplete" in r.report()
     assert len(load_run(r.dir).traces) == len(r.traces)
+
+
+class EntryClock:
+    """Wraps an HTTP engine and notes when each request reaches the engine: a clock of
+    the wait at the in-flight cap independent of the load generator's own stamps."""
+
+    def __init__(self, inner):
+        self.inner, self.entered = inner, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def astream(self, request, client=None):
+        self.entered[request.prompt] = time.perf_counter()
+        async for ev in self.inner.astream(request, client=client):
+            yield ev
+
+
+@pytest.mark.slow
+def test_saturation_wait_at_the_cap_is_in_ttft(tmp_path):
+    """Coordinated omission: open loop far beyond what 2 slots serve. Each request that
+    found the cap full is late by exactly its wait, and TTFT (from the schedule) carries
+    that wait while TTFT from send does not."""
+    pytest.importorskip("httpx_sse")
+    reqs = [Request(prompt=f"r{i}", max_tokens=10) for i in range(14)]
+    with SSESource(ttft_s=0.05, gap_s=0.01) as src:          # ~0.15 s a request: ~13 req/s max
+        eng = EntryClock(http_engine(src.url))
+        r = bench.run(eng, reqs, pattern="rate", rate_rps=40.0, max_in_flight=2, warmup=0, salt=False,
+                      out_dir=tmp_path / "run", progress=False)
+    assert len(r.traces) == 14 and all(t.status == "ok" for t in r.traces)
+    assert r.manifest["client"]["max_in_flight"] == 2 and any("cap (2)" in w for w in r.warnings)
+    df = r.df.set_index("request_id")
+    waited = []
+    for t in r.traces:
+        busy = [o for o in r.traces if o is not t and o.sent_t <= t.scheduled_t < o.end_t]
+        if len(busy) < 2:
+            continue                                           # a slot was free when it was due
+        waited.append(t)
+        wait = t.sent_t - t.scheduled_t
+        row = df.loc[t.request_id]
+        assert row.ttft_s - row.ttft_from_send_s == pytest.approx(wait, abs=1e-9)
+        assert row.dispatch_delay_s == pytest.approx(wait, abs=1e-9)
+        # the wait the engine saw (its own clock) is the wait recorded, to a few percent
+        assert eng.entered[reqs[t.request_id].prompt] - t.scheduled_t == pytest.approx(wait, rel=0.1)
+        assert t.sent_t >= min(o.end_t for o in busy)          # it went only once a slot freed
+    assert len(waited) >= 6
+    waits = [t.sent_t - t.scheduled_t for t in sorted(waited, key=lambda t: t.scheduled_t)]
+    assert waits[-1] > 2 * waits[0]                            # the queue grew; TTFT shows it
 
 
 @pytest.mark.slow

@@ -45,6 +45,16 @@ GOOD = [
 NO_USAGE = [_chunk("a"), _chunk("bc"), _chunk(""), _chunk("d", finish="stop")]  # no logprobs
 
 
+def _usage(n):
+    return {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}
+
+
+# no logprobs: one delta per token, and the EOS counted in usage but never streamed
+DELTAS_EOS = [_chunk(), _chunk("a"), _chunk("b"), _chunk("c", finish="stop"), _usage(4)]
+# no logprobs: a server that packs 3 tokens into each of 2 chunks
+DELTAS_PACKED = [_chunk("abc"), _chunk("def", finish="length"), _usage(6)]
+
+
 def _sse(objs, done=True) -> bytes:
     body = "".join(f"data: {json.dumps(o)}\n\n" for o in objs)
     return (body + ("data: [DONE]\n\n" if done else "")).encode()
@@ -78,6 +88,10 @@ class _StandIn(BaseHTTPRequestHandler):
             self._send(200, _sse(GOOD))
         elif mode == "nousage":
             self._send(200, _sse(NO_USAGE))
+        elif mode == "deltaseos":
+            self._send(200, _sse(DELTAS_EOS))
+        elif mode == "deltaspacked":
+            self._send(200, _sse(DELTAS_PACKED))
         elif mode == "http500":
             self._send(500, b'{"error": {"code": 500, "message": "boom: out of memory"}}',
                        "application/json")
@@ -122,8 +136,36 @@ def test_parses_llama_server_shaped_stream(standin):
     body = _StandIn.bodies[-1]
     assert body["model"] == "stand-in"                                  # asked /v1/models
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
-    assert body["seed"] == 7 and body["max_tokens"] == 4 and body["logprobs"] is True
+    assert body["seed"] == 7 and body["max_tokens"] == 4 and "logprobs" not in body   # off by default
     assert "ignore_eos" not in body
+    list(OpenAIHTTPEngine(standin + "/good", logprobs=True).stream("hi"))
+    assert _StandIn.bodies[-1]["logprobs"] is True                          # still available
+
+
+def test_one_delta_per_token_is_checked_against_usage(standin):
+    from infercourse.engines.openai_stream import CHUNKS_NOT_TOKENS
+    *chunks, last = OpenAIHTTPEngine(standin + "/deltaseos", model="m").stream("hi")
+    assert [e.n_tokens for e in chunks] == [1, 1, 1] and last.n_tokens == 1   # the unstreamed EOS
+    assert last.usage.source == "server" and last.timings["chunks_are_tokens"] is True
+    *chunks, last = OpenAIHTTPEngine(standin + "/deltaspacked", model="m").stream("hi")
+    assert len(chunks) == 2 and last.usage.completion_tokens == 6
+    assert last.usage.source == CHUNKS_NOT_TOKENS and last.timings["chunks_are_tokens"] is False
+    assert last.n_tokens == 0                                # no invented tokens on the done event
+
+
+def test_chunk_count_check_on_a_real_socket():
+    """SSESource packs 3 tokens a chunk: a delta count is not a token count, and says so;
+    with logprobs the per-chunk counts are exact."""
+    from infercourse.core.trace import record
+    from infercourse.engines.openai_stream import CHUNKS_NOT_TOKENS
+    from infercourse.testing import SSESource
+    req = Request(prompt="x", max_tokens=12)
+    with SSESource(tokens_per_chunk=3) as src:
+        plain = record(OpenAIHTTPEngine(src.url, model="m", api="completions"), req)
+        exact = record(OpenAIHTTPEngine(src.url, model="m", api="completions", logprobs=True), req)
+    assert plain.token_source == CHUNKS_NOT_TOKENS and plain.chunk_tokens == [1] * 4
+    assert plain.completion_tokens == 12                     # the server's count still rules
+    assert exact.token_source == "server" and exact.chunk_tokens == [3] * 4
 
 
 def test_without_usage_counts_deltas_on_client(standin):
@@ -134,7 +176,7 @@ def test_without_usage_counts_deltas_on_client(standin):
 
 
 def test_request_body_options(standin):
-    eng = OpenAIHTTPEngine(standin + "/good/v1", model="m", api="completions",
+    eng = OpenAIHTTPEngine(standin + "/good/v1", model="m", api="completions", logprobs=True,
                            extra_body={"cache_prompt": None, "top_k": 1})
     list(eng.stream(Request(prompt="x", ignore_eos=True, max_tokens=9)))
     body = _StandIn.bodies[-1]
@@ -203,17 +245,29 @@ def llama():
         yield srv
 
 
+def _predicted_total(url) -> float:
+    """llama-server's /metrics counter of generated tokens (started with --metrics)."""
+    import httpx
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("llamacpp:tokens_predicted_total")))
+
+
 @pytest.mark.slow
 def test_llama_server_greedy_stream(llama):
     eng = OpenAIHTTPEngine(llama.url)
+    before = _predicted_total(llama.url)
     t0 = time.perf_counter()
     events = list(eng.stream("Name three colors.", max_tokens=48))
     chunks, last = events[:-1], events[-1]
     ts = [t0] + [e.t for e in events]
     assert all(a <= b for a, b in zip(ts, ts[1:]))                     # monotonic arrival
     assert last.usage.source == "server" and last.usage.prompt_tokens > 0
-    assert sum(e.n_tokens for e in events) == last.usage.completion_tokens
-    assert last.n_tokens == (1 if last.finish_reason == "stop" else 0)  # the EOS, never streamed
+    # Independent of the usage block: llama-server's Prometheus counter of tokens predicted
+    # moved by exactly what we counted as streamed chunks, plus the EOS it never streams.
+    predicted = _predicted_total(llama.url) - before
+    assert len(chunks) + (1 if last.finish_reason == "stop" else 0) == predicted
+    assert last.usage.completion_tokens == predicted and last.timings["chunks_are_tokens"] is True
     assert last.timings["predicted_n"] == last.usage.completion_tokens  # llama-server timings
     c = generate(eng, "Name three colors.", max_tokens=48)              # greedy: same again
     assert c.text == "".join(e.text for e in chunks) and c.text.strip()

@@ -113,6 +113,65 @@ def test_compare_and_differing_conditions(tmp_path):
     assert diff.loc["load.concurrency"].tolist() == [1, 4]
 
 
+def test_writer_thread_writes_everything_off_the_callers_thread(tmp_path):
+    import threading
+    seen = []                                # (thread, count) of each on_written call
+    w = R.RunWriter(tmp_path / "a", manifest())
+    w.start_thread(on_written=lambda k: seen.append((threading.current_thread().name, k)))
+    for i in range(200):
+        w.submit(trace(i, 0.1))              # a queue put: returns before anything is written
+    w.flush()                                # waits for the writer thread to drain
+    assert len((tmp_path / "a" / "requests.jsonl").read_text().splitlines()) == 200
+    assert sum(k for _, k in seen) == 200 and {t for t, _ in seen} == {"infercourse-writer"}
+    assert len(seen) <= 200                  # batched: one fsync per batch, never one per line lost
+    w.close()
+    run = R.load_run(tmp_path / "a")
+    assert run.manifest["n_requests"] == 200 and sorted(run.df["request_id"]) == list(range(200))
+
+
+def test_writer_thread_drained_at_close_and_at_interpreter_exit(tmp_path):
+    import subprocess
+    import sys
+    w = R.RunWriter(tmp_path / "a", manifest())
+    w.start_thread()
+    for i in range(50):
+        w.submit(trace(i, 0.1))
+    w.close("stopped: interrupted")          # a run cut short: close drains the queue first
+    assert R.load_run(tmp_path / "a").manifest["n_requests"] == 50
+    # a process that exits with a run still open (no close): atexit drains and closes it
+    code = (f"from tests.test_results import trace, manifest\nfrom infercourse.measure import results as R\n"
+            f"w = R.RunWriter({str(tmp_path / 'b')!r}, manifest()); w.start_thread()\n"
+            f"[w.submit(trace(i, 0.1)) for i in range(300)]\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1], timeout=120)
+    run = R.load_run(tmp_path / "b")
+    assert len(run.traces) == 300 and run.manifest["status"].startswith("error: interpreter exited")
+
+
+def test_writer_thread_error_surfaces_at_close(tmp_path):
+    w = R.RunWriter(tmp_path / "a", manifest())
+    w.start_thread()
+    bad = trace(0, 0.1)
+    loop = {}
+    loop["self"] = loop
+    bad.as_row = lambda: loop                # a circular row: json.dumps fails on the writer thread
+    w.submit(bad)
+    with pytest.raises(OSError, match="writing .*requests.jsonl failed"):
+        w.close()
+
+
+def test_report_lines_count_statuses_cache_and_goodput():
+    trs = [trace(i, 0.1 * (i + 1)) for i in range(4)]
+    trs[0].cached_tokens, trs[1].cached_tokens = 10, 0          # 10 of 20 known prompt tokens
+    trs[2].status, trs[2].error = "incomplete", "incomplete: in flight when the run stopped"
+    trs[3].status = "error"
+    lines = R.report_lines(metrics.per_request_frame(trs), {"ttft_s": 0.15})
+    assert lines[0] == "requests: 2 ok, 1 error, 1 incomplete"
+    assert "10 of 20 prompt tokens cached (50%) over 2 requests" in lines[1]
+    assert lines[2].startswith("goodput: 1 of 4 requests met every SLO (ttft_s <= 0.15)")
+    trs = [trace(i, 0.1) for i in range(2)]                     # an engine that reports no cache
+    assert "not reported" in R.report_lines(metrics.per_request_frame(trs))[1]
+
+
 def test_content_hash_is_order_independent_for_keys():
     assert R.content_hash({"a": 1, "b": 2}) == R.content_hash({"b": 2, "a": 1})
     assert R.content_hash({"a": 1}) != R.content_hash({"a": 2})

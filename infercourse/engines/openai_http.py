@@ -4,161 +4,27 @@ llama.cpp's llama-server, vLLM, SGLang, TGI, LM Studio, mlx_lm.server and Ollama
 take `POST /v1/chat/completions` (or `/v1/completions`) with `"stream": true` and answer
 with Server-Sent Events: one `data: {json}` line per chunk, ending with `data: [DONE]`.
 
-How each number is read, so a learner knows what to trust:
-- **text**: `choices[0].delta.content` (chat) or `choices[0].text` (completions).
-- **tokens per chunk**: we ask for `logprobs`, which lists one entry per token, so the
-  count is exact; where a chunk carries none we count 1 per non-empty delta. The final
-  event's `timings["chunk_tokens_from"]` says which ("logprobs", "deltas" or both).
-  Tokens the server counted but never streamed (llama-server's EOS) sit on the done
-  event (`timings["unstreamed_tokens"]`), so the events sum to the server's usage.
-- **usage**: `stream_options.include_usage` makes the server send a last chunk with a
-  `usage` block (source "server", with `prompt_tokens_details.cached_tokens`); without
-  one we fall back to our own count (source "client", prompt_tokens unknown: None).
-- **timings**: llama-server adds its per-request `timings` object (prompt_ms,
-  predicted_per_second, cache_n...): passed on verbatim, plus the response id and model.
-
-SSE framing is parsed by `httpx-sse` (small, well kept); the JSON inside each event is read
-by one `_Parser` shared by the sync `stream()` and the async `astream()`.
+How each number is read (tokens per chunk, usage, timings) is in `openai_stream`, the
+parser shared by the sync `stream()` and the async `astream()`; SSE framing is parsed by
+`httpx-sse` (small, well kept). By default we do not ask for logprobs: on servers that
+stream one token per chunk they add nothing but server time, and every request's chunk
+count is checked against the server's usage (see `openai_stream`).
 """
 from __future__ import annotations
 
-import json
-import re
 import time
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import httpx
 from httpx_sse import SSEError, aconnect_sse, connect_sse
 
-from infercourse.core.errors import APILayerError, ContextLayerError, InferCourseError
-from infercourse.core.types import Event, Messages, Request, Usage, as_request
+from infercourse.core.errors import APILayerError, InferCourseError
+from infercourse.core.types import Event, Messages, Request, as_request
+from infercourse.engines.openai_stream import Parser as _Parser
+from infercourse.engines.openai_stream import json_or_text as _json_or_text
+from infercourse.engines.openai_stream import server_error as _server_error
 
 __all__ = ["OpenAIHTTPEngine"]
-
-# Phrases servers use when prompt + max_tokens do not fit: llama-server
-# ("exceed_context_size_error", "exceeds the available context size"), vLLM and OpenAI
-# ("maximum context length", "context_length_exceeded"), TGI ("must have less than").
-_CONTEXT_RE = re.compile(r"exceed_context_size|exceeds the available context|maximum context "
-                         r"length|context_length_exceeded|larger than the max context|context "
-                         r"window|must have less than \d+ tokens", re.I)
-
-
-def _error_message(body: Any) -> str:
-    """The human part of an error body: {"error": {"message"}}, {"error": str}, {"detail"}."""
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail", body.get("message")))
-        if isinstance(err, dict):
-            return str(err.get("message") or err)
-        if err is not None:
-            return str(err)
-    return str(body)[:500]
-
-
-def _server_error(where: str, status: int | None, body: Any, partial: list[Event] | None = None
-                  ) -> InferCourseError:
-    msg = _error_message(body)
-    head = f"server at {where} answered HTTP {status}" if status else f"server at {where} sent an error"
-    if _CONTEXT_RE.search(msg) or _CONTEXT_RE.search(str(body)):
-        return ContextLayerError(f"{head}: {msg}", partial=partial,
-                                 hint="shorten the prompt, lower max_tokens, or start the server "
-                                      "with a larger context (llama-server: -c, per slot = c / np)")
-    return APILayerError(f"{head}: {msg}", partial=partial)
-
-
-def _count_logprobs(lp: Any) -> int | None:
-    """Tokens in a chunk from its logprobs: chat uses {"content": [...]}, completions
-    {"tokens": [...]} (llama-server uses "content" for both). None: no logprobs sent."""
-    if isinstance(lp, dict):
-        for key in ("content", "tokens"):
-            if isinstance(lp.get(key), list):
-                return len(lp[key])
-    return None
-
-
-class _Parser:
-    """Turns the JSON payloads of one SSE stream into Events (shared by sync and async)."""
-
-    def __init__(self, api: str, where: str):
-        self.api, self.where = api, where
-        self.events: list[Event] = []
-        self.finished = False                      # saw data: [DONE]
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.timings: dict[str, Any] = {}
-        self.meta: dict[str, Any] = {}
-        self.sources: set[str] = set()
-
-    def feed(self, data: str, t: float) -> Event | None:
-        if data.strip() == "[DONE]":
-            self.finished = True
-            return None
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            chunk = None
-        if not isinstance(chunk, dict):
-            raise APILayerError(f"malformed stream chunk from {self.where}: {data[:200]!r}",
-                                partial=list(self.events))
-        if "error" in chunk:  # llama-server and vLLM report mid-stream failures this way
-            raise _server_error(self.where, None, chunk, partial=list(self.events))
-        for key in ("id", "model", "system_fingerprint"):
-            if chunk.get(key) is not None:
-                self.meta[key] = chunk[key]
-        if isinstance(chunk.get("timings"), dict):
-            self.timings = chunk["timings"]        # the last one is the whole request's
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        text, n = "", 0
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            if self.api == "chat":
-                delta = choice.get("delta") or {}
-                piece = delta.get("content") or ""
-                # reasoning models stream thinking apart from the answer: tokens, not text
-                thinking = delta.get("reasoning_content") or delta.get("reasoning") or ""
-            else:
-                piece, thinking = choice.get("text") or "", ""
-            k = _count_logprobs(choice.get("logprobs"))
-            if k is not None:
-                n += k
-                self.sources.add("logprobs")
-            elif piece or thinking:
-                n += 1
-                self.sources.add("deltas")
-            text += piece
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-        if not text and n == 0:
-            return None                            # role-only or usage-only chunk
-        event = Event(t=t, text=text, n_tokens=n)
-        self.events.append(event)
-        return event
-
-    def final(self, t: float) -> Event:
-        if not self.finished:
-            raise APILayerError(f"stream from {self.where} ended without data: [DONE]",
-                                partial=list(self.events),
-                                hint="the server may have crashed; see its log")
-        counted = sum(e.n_tokens for e in self.events)
-        u, unstreamed = self.usage, 0
-        if u and "completion_tokens" in u:
-            details = u.get("prompt_tokens_details") or {}
-            usage = Usage(prompt_tokens=u.get("prompt_tokens"),
-                          completion_tokens=u["completion_tokens"],
-                          cached_tokens=details.get("cached_tokens"), source="server")
-            if self.sources == {"logprobs"}:
-                # llama-server counts the EOS token it decoded but never streams it: it
-                # arrives, textless, with the end of the stream
-                unstreamed = max(0, usage.completion_tokens - counted)
-        else:  # e.g. llama_cpp.server: no usage in streams; we cannot count the prompt
-            usage = Usage(prompt_tokens=None, completion_tokens=counted, source="client")
-        timings = dict(self.timings)
-        timings.update(chunk_tokens_from="+".join(sorted(self.sources)) or None,
-                       client_token_count=counted, unstreamed_tokens=unstreamed,
-                       **{f"response_{k}": v for k, v in self.meta.items()})
-        return Event(t=t, n_tokens=unstreamed, done=True, usage=usage,
-                     finish_reason=self.finish_reason, timings=timings)
 
 
 class OpenAIHTTPEngine:
@@ -172,14 +38,16 @@ class OpenAIHTTPEngine:
         extra_body: extra JSON fields merged last; a value of None removes a field
             (e.g. `{"cache_prompt": None}` for a strict server that rejects unknown keys).
         timeout: seconds to wait for any one read (prefill of a long prompt included).
-        logprobs: ask for logprobs so per-chunk token counts are exact.
+        logprobs: ask for logprobs, so per-chunk token counts are exact even where a server
+            packs several tokens in one chunk. Off by default: it costs the server time per
+            token, and one token per chunk is checked against usage at the end anyway.
     """
 
     name = "openai_http"
 
     def __init__(self, base_url: str, model: str | None = None, api: str = "chat",
                  api_key: str | None = None, extra_body: dict[str, Any] | None = None,
-                 timeout: float = 600.0, logprobs: bool = True):
+                 timeout: float = 600.0, logprobs: bool = False):
         if api not in ("chat", "completions"):
             raise ValueError(f"api must be 'chat' or 'completions', got {api!r}")
         root = base_url.rstrip("/")
@@ -236,6 +104,34 @@ class OpenAIHTTPEngine:
                                     hint="pass model=... to OpenAIHTTPEngine")
             self._model = ids[0]
         return self._model
+
+    def server_tokenizer(self) -> Callable[[str], list]:
+        """The served model's own tokenizer, through the server's `/tokenize`: llama-server
+        takes {"content", "add_special"}, vLLM {"model", "prompt", "add_special_tokens"}.
+        Counts include what the server adds to a raw prompt (BOS), like a local tokenizer.
+        Raises APILayerError when the server has neither (count with a local file instead)."""
+        forms = (lambda text: {"content": text, "add_special": True},
+                 lambda text: {"model": self.model, "prompt": text, "add_special_tokens": True})
+        for form in forms:
+            try:
+                r = self.client.post(self.root + "/tokenize", json=form("probe"), timeout=10.0)
+                if r.status_code in (401, 403):   # it has one, and refuses us: say why
+                    raise _server_error(self.where, r.status_code, _json_or_text(r.content))
+                ok = r.status_code == 200 and isinstance(r.json().get("tokens"), list)
+            except httpx.ConnectError as exc:
+                raise self._unreachable(exc) from None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                ok = False
+            if ok:
+                def tokenize(text: str, form=form) -> list:
+                    got = self.client.post(self.root + "/tokenize", json=form(text), timeout=10.0)
+                    got.raise_for_status()
+                    return got.json()["tokens"]
+                return tokenize
+        raise APILayerError(f"server at {self.where} has no /tokenize endpoint: cannot count "
+                            "prompt tokens with the served model's tokenizer",
+                            hint="give the model's tokenizer file (--tokenizer PATH: a .gguf, or an "
+                                 "HF folder with tokenizer.json)")
 
     def body(self, request: Request) -> dict[str, Any]:
         """The JSON sent for `request` (public so lessons can show the wire format)."""
@@ -344,9 +240,3 @@ class OpenAIHTTPEngine:
             info[key] = got
         return info
 
-
-def _json_or_text(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode("utf-8", "replace")

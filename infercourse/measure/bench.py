@@ -16,8 +16,27 @@ HTTP engines (those with `astream`) run on one asyncio event loop with one
 `httpx.AsyncClient` whose pool fits the concurrency; the loop lives in a worker thread
 so the same code works in a script and in a notebook (whose kernel already runs a loop),
 and Ctrl-C in the main thread cancels it cleanly. In-process engines run one request at
-a time, and the manifest says so. Each finished request is appended to disk at once
-through `results.RunWriter`, so an interrupt or a dead server loses nothing finished.
+a time, and the manifest says so. Each finished request goes to `results.RunWriter`'s
+writer thread (JSON, fsync and the progress bar stay off the event loop, whose clock
+stamps every other stream), and is on disk one fsync later: an interrupt or a dead
+server loses nothing finished.
+
+Requests the run did not finish are kept, not dropped. A request in flight when a
+deadline, a dead server or Ctrl-C ends the run is a row with status "incomplete" and
+the chunks it had received; one due but still queued at the in-flight cap is
+"incomplete" and never sent. Convention: like GuideLLM, incomplete requests are counted
+apart from errors and from successes (`report_lines`: ok / error / incomplete), and the
+percentiles are of ok requests; unlike a tool that discards them, every row is in the
+frame and on disk, so a latency view that includes them (their latencies are lower
+bounds: they would have taken at least that long) is one filter away. We keep them
+apart rather than folding them into "error" because nothing failed: the run stopped.
+
+Cache hygiene: a server keeps prompts it has seen, so a second identical run can be
+served from its cache and look many times faster. Unless the workload is a cache
+workload (`Workload.cache_workload`: shared prefixes, agentic replay), each prompt starts
+with a fresh per-run salt, so nothing is reused across runs; warm-up requests have the
+measured ones' shape but share no prefix with them; every summary prints the cached /
+prompt tokens (`report_lines`).
 
 The client watches itself (CPU per wall second, dispatch delay): when the load generator
 rather than the server is the bottleneck, the result carries a warning saying so.
@@ -26,6 +45,7 @@ rather than the server is the bottleneck, the result carries a warning saying so
 from __future__ import annotations
 
 import datetime as _dt
+import secrets
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,7 +69,7 @@ from infercourse.measure.loadgen import (
 )
 
 __all__ = ["BenchResult", "run", "sweep", "replay", "constant_schedule", "poisson_schedule",
-           "loop_in_thread", "PATTERNS", "MAX_REQUESTS"]
+           "loop_in_thread", "new_salt", "salted", "warmup_request", "PATTERNS", "MAX_REQUESTS"]
 
 PATTERNS = ("sequential", "concurrency", "rate", "poisson", "replay")
 MAX_REQUESTS = 100_000          # a hard bound: no run is open-ended
@@ -70,13 +90,43 @@ class BenchResult:
     def warnings(self) -> list[str]:
         return self.manifest.get("warnings", [])
 
+    def report(self, slos: dict[str, float] | None = None) -> str:
+        """Requests by status, prompt-cache hits, goodput for `slos`, warnings: one per line."""
+        from infercourse.measure.results import report_lines
+        return "\n".join(report_lines(self.df, slos) + [f"WARNING: {w}" for w in self.warnings])
+
+
+def new_salt() -> str:
+    """A fresh per-run salt (8 random hex digits)."""
+    return secrets.token_hex(4)
+
+
+def salted(req: Request, salt: str) -> Request:
+    """`req` with `salt` and a newline at the very start of its prompt (or of its first
+    message): no prefix cache can match it with a prompt from another run."""
+    if req.prompt is not None:
+        return replace(req, prompt=f"{salt}\n{req.prompt}")
+    first, *rest = req.messages
+    return replace(req, messages=[{**first, "content": f"{salt}\n{first['content']}"}, *rest])
+
+
+def warmup_request(req: Request, k: int = 0) -> Request:
+    """A warm-up twin of `req`: same API, sampling and max tokens, about the same length,
+    but its words reversed behind a "Warm-up" tag, so it shares no prefix with any measured
+    prompt (warming up with a measured prompt would hand that one a cache hit)."""
+    flip = lambda s: f"Warm-up {k}. " + " ".join(reversed(s.split()))  # noqa: E731
+    if req.prompt is not None:
+        return replace(req, prompt=flip(req.prompt))
+    return replace(req, messages=[{**m, "content": flip(m["content"])} for m in req.messages])
+
 
 def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
         rate_rps: float | None = None, offsets_s: Sequence[float] | None = None, seed: int = 0,
         warmup: int = 1, max_requests: int | None = None, max_duration_s: float | None = None,
         ignore_eos: bool | None = None, max_in_flight: int = 256, out_dir: str | Path | None = None,
         label: str | None = None, progress: bool = True, allow_remote: bool = False,
-        conditions: dict[str, Any] | None = None) -> BenchResult:
+        conditions: dict[str, Any] | None = None, salt: bool | str | None = None,
+        write_inline: bool = False) -> BenchResult:
     """Run one load pattern against an engine and record every request.
 
     Args:
@@ -94,6 +144,11 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
         out_dir: results folder (default: cache_dir()/runs/<time>_<pattern>).
         allow_remote: permit a non-loopback server (off: load tests stay on this machine).
         conditions: extra manifest entries (e.g. server flags).
+        salt: None salts every prompt with a fresh per-run salt unless the workload is a
+            cache workload (or no request allows caching); True / False force it; a string
+            is used as the salt (e.g. prompts built to an exact length with it included).
+        write_inline: encode, fsync and update the progress bar on the event loop instead
+            of the writer thread (only to measure what that costs: writer_overhead.py).
     """
     from infercourse.core import metrics, summary
     from infercourse.models.embedded import cache_dir
@@ -108,9 +163,15 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
     n = min(max_requests or len(base), MAX_REQUESTS)
     if concurrency < 1 or max_in_flight < 1 or n < 1:
         raise ValueError("concurrency, max_in_flight and max_requests must be >= 1")
-    reqs = [base[i % len(base)] for i in range(n)]
     if ignore_eos is not None:
-        reqs = [replace(r, ignore_eos=ignore_eos) for r in reqs]
+        base = [replace(r, ignore_eos=ignore_eos) for r in base]
+    if salt is None:   # a cache workload measures reuse; cache_prompt=False reuses nothing
+        salt = not getattr(workload, "cache_workload", False) and any(r.cache_prompt for r in base)
+    salt = (new_salt() if salt is True else salt) or None
+    warm = [warmup_request(base[i % min(n, len(base))], i) for i in range(warmup)]
+    if salt:
+        base = [salted(r, salt) for r in base]
+    reqs = [base[i % len(base)] for i in range(n)]   # changed once per distinct request, then cycled
     offsets = None
     if pattern in ("rate", "poisson"):
         if not rate_rps:
@@ -148,14 +209,15 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
             "max_in_flight": max_in_flight if offsets is not None else concurrency,
             "executor": "asyncio+httpx" if is_async else "in-process, one request at a time"}
     manifest = {"label": label, "engine": eng, "model": model, "sampling": reqs[0].sampling(),
-                "load": load, "workload": wl, **(conditions or {})}
+                "load": load, "workload": {**wl, "salt": salt}, **(conditions or {})}
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
     out = Path(out_dir) if out_dir else cache_dir() / "runs" / f"{stamp}_{label or pattern}"
     writer = RunWriter(out, manifest)
-    warm = [reqs[i % n] for i in range(warmup)]
     tags = [{"pattern": pattern, "concurrency": concurrency, "req_index": i % len(base)} for i in range(n)]
     pbar = tqdm(total=n, desc=label or pattern, disable=not progress, leave=False)
-    st, status = State(writer, pbar), "ok"
+    if not write_inline:
+        writer.start_thread(on_written=pbar.update)
+    st, status = State(writer, pbar, inline=write_inline), "ok"
     try:
         if is_async:
             if loop_in_thread(lambda: run_async(engine, reqs, offsets, concurrency, max_in_flight,
@@ -167,7 +229,6 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
         status = f"error: {type(e).__name__}: {e}"
         raise
     finally:
-        pbar.close()
         wall = time.perf_counter() - (st.t0 or time.perf_counter())
         cpu_frac = (sum(psutil.Process().cpu_times()[:2]) - st.cpu0) / wall if wall > 0 else 0.0
         df = metrics.per_request_frame(st.traces)
@@ -180,12 +241,13 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
         if st.server_error is not None:
             status = f"error: server stopped answering: {st.server_error}"
         writer.close(status if status != "ok" or not st.stop_reason else f"stopped: {st.stop_reason}")
+        pbar.close()
     result = BenchResult(st.traces, df, summary.summarize(df) if len(df) else df, writer.manifest, out)
     if st.server_error is not None:
         host = f"{addr[0]}:{addr[1]}" if addr else "the server"
-        n_err = int((df["status"] != "ok").sum())
-        raise ServerLayerError(f"server at {host} stopped answering mid-run: {len(st.traces) - n_err} "
-                               f"requests finished, {n_err} became errors ({st.server_error})",
+        n_ok = int((df["status"] == "ok").sum())
+        raise ServerLayerError(f"server at {host} stopped answering mid-run: {n_ok} requests finished, "
+                               f"{len(df) - n_ok} did not ({st.server_error})",
                                hint=f"check the server log; every finished request is in {out}",
                                partial=result)
     return result
@@ -218,8 +280,12 @@ def sweep(engine, workload, concurrencies: Sequence[int] = (1, 2, 4, 8), *,
         sub = Path(out_dir) / f"c{c}" if out_dir else None
         r = run(engine, workload, pattern="concurrency", concurrency=c, max_requests=n,
                 out_dir=sub, label=f"{label or 'sweep'}-c{c}", **kw)
+        counts = r.df["status"].value_counts() if len(r.df) else {}
         s, row = r.summary, {"concurrency": c, **summary.throughput(r.df),
-                             "error_rate": summary.error_rate(r.df)}
+                             "error_rate": summary.error_rate(r.df),
+                             **{f"n_{k}": int(counts.get(k, 0)) for k in ("ok", "error", "incomplete")},
+                             "cached_fraction": r.df["cached_tokens"].sum() / r.df["prompt_tokens"].sum()
+                             if len(r.df) and r.df["cached_tokens"].notna().any() else float("nan")}
         for m, q in (("ttft_s", "p50"), ("ttft_s", "p95"), ("tpot_s", "p50"), ("e2e_s", "p95"),
                      ("dispatch_delay_s", "p95")):
             row[f"{m}_{q}"] = s.loc[m, q] if m in s.index and q in s else float("nan")
@@ -231,7 +297,9 @@ def sweep(engine, workload, concurrencies: Sequence[int] = (1, 2, 4, 8), *,
 
 def replay(engine, timed: Sequence[tuple[float, Request]], **kw: Any) -> BenchResult:
     """Send recorded requests at their recorded offsets: `timed` is [(offset_s, Request)],
-    e.g. `list(workloads.replay_calls(session))`."""
+    e.g. `list(workloads.replay_calls(session))`. A replayed session is a cache workload
+    (each call extends the last), so it is not salted unless `salt=` says otherwise."""
     offsets, reqs = zip(*timed)
+    kw.setdefault("salt", False)
     return run(engine, list(reqs), pattern="replay", offsets_s=list(offsets), **kw)
 

@@ -7,6 +7,13 @@ on one asyncio event loop in a worker thread (`loop_in_thread`: the same code wo
 script and in a notebook, whose kernel already runs a loop, and Ctrl-C cancels cleanly);
 in-process engines run one request at a time through `core.trace.record`.
 
+Nothing the run started is dropped when it ends early. A request in flight when a
+deadline, a stop (dead server) or Ctrl-C ends the run is recorded with status
+"incomplete" and the chunks it had received; one that was due but still waiting at the
+in-flight cap is recorded "incomplete" too, never sent (`sent_t` NaN, tag `sent=False`).
+Finished requests go to the results writer's queue: its thread, not this loop, encodes,
+fsyncs and moves the progress bar.
+
 `bench` (run, sweep, replay) is the public face; this module is its machinery.
 """
 from __future__ import annotations
@@ -24,7 +31,7 @@ from infercourse.core.trace import RequestTrace, record, trace_from_events
 from infercourse.core.types import Request
 
 __all__ = ["constant_schedule", "poisson_schedule", "loop_in_thread", "run_async", "run_sync",
-           "self_check", "server_address", "State"]
+           "self_check", "server_address", "State", "incomplete_trace"]
 
 
 # -- schedules: offsets in seconds from the start of the run ---------------------------------
@@ -45,10 +52,16 @@ def poisson_schedule(n: int, rate_rps: float, seed: int = 0) -> np.ndarray:
 
 
 class State:
-    """Shared between the dispatcher and the request coroutines (one thread at a time)."""
+    """Shared between the dispatcher and the request coroutines (one thread at a time).
 
-    def __init__(self, writer, pbar):
-        self.writer, self.pbar, self.traces = writer, pbar, []
+    Args:
+        writer: a `results.RunWriter`; `submit` is used unless `inline`.
+        pbar: a progress bar, updated here only when `inline` (else by the writer thread).
+        inline: write and fsync on the caller's thread (the old way; benchmarks compare it).
+    """
+
+    def __init__(self, writer, pbar, inline: bool = False):
+        self.writer, self.pbar, self.traces, self.inline = writer, pbar, [], inline
         self.in_flight = self.max_in_flight = 0
         self.t0: float | None = None
         self.cpu0 = 0.0
@@ -62,8 +75,21 @@ class State:
 
     def done(self, tr: RequestTrace) -> None:
         self.traces.append(tr)
-        self.writer.write(tr)    # append + fsync before anything else happens
-        self.pbar.update(1)
+        if self.inline:
+            self.writer.write(tr)    # encode + append + fsync, on this thread
+            self.pbar.update(1)
+        else:
+            self.writer.submit(tr)   # a queue put: the writer thread does the rest
+
+
+def incomplete_trace(events, reason: str, *, request_id: int, scheduled_t: float, sent_t: float,
+                     **tags) -> RequestTrace:
+    """A request the run stopped before it finished: the chunks received so far, ended now.
+    Its latencies are lower bounds (it would have taken at least this long)."""
+    tr = trace_from_events(events, request_id=request_id, scheduled_t=scheduled_t, sent_t=sent_t,
+                           end_t=time.perf_counter(), **tags)
+    tr.status, tr.error = "incomplete", f"incomplete: {reason}"
+    return tr
 
 
 def server_address(engine) -> tuple[str, int] | None:
@@ -88,24 +114,35 @@ def _server_alive(addr: tuple[str, int] | None) -> bool:
 
 async def _one(engine, client, i: int, req: Request, scheduled_t: float, st: State, addr,
                tags: dict) -> None:
-    events, sent = [], time.perf_counter()
+    events, sent, tr = [], time.perf_counter(), None
     st.in_flight += 1
     st.max_in_flight = max(st.max_in_flight, st.in_flight)
     tags = {**tags, "in_flight_at_send": st.in_flight}
     try:
-        async for ev in engine.astream(req, client=client):
-            events.append(ev)
-        tr = trace_from_events(events, request_id=i, scheduled_t=scheduled_t, sent_t=sent, **tags)
-    except asyncio.CancelledError:
-        raise                    # interrupted: not finished, not recorded
-    except Exception as e:       # noqa: BLE001 - every failure becomes an error trace
-        tr = trace_from_events(events, request_id=i, scheduled_t=scheduled_t, sent_t=sent,
-                               error=e, end_t=time.perf_counter(), **tags)
-        if st.server_error is None and not await asyncio.to_thread(_server_alive, addr):
-            st.server_error, st.stop_reason = e, "server stopped answering"
+        try:
+            async for ev in engine.astream(req, client=client):
+                events.append(ev)
+            tr = trace_from_events(events, request_id=i, scheduled_t=scheduled_t, sent_t=sent, **tags)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:   # noqa: BLE001 - every failure becomes an error trace
+            tr = trace_from_events(events, request_id=i, scheduled_t=scheduled_t, sent_t=sent,
+                                   error=e, end_t=time.perf_counter(), **tags)
+            if st.server_error is None and not await asyncio.to_thread(_server_alive, addr):
+                st.server_error, st.stop_reason = e, "server stopped answering"
+    except asyncio.CancelledError:   # the run ended under it: keep what it had received
+        st.done(tr or incomplete_trace(events, f"in flight when the run stopped ({st.stop_reason or 'cancelled'})",
+                                       request_id=i, scheduled_t=scheduled_t, sent_t=sent, **tags))
+        raise
     finally:
         st.in_flight -= 1
     st.done(tr)
+
+
+def _never_sent(i: int, due: float, st: State, cap: int, tags: dict) -> RequestTrace:
+    why = f"due, but waited at the in-flight cap ({cap}) until the run stopped ({st.stop_reason or 'cancelled'})"
+    return incomplete_trace([], why, request_id=i, scheduled_t=due, sent_t=float("nan"),
+                            **{**tags, "sent": False})
 
 
 async def run_async(engine, reqs, offsets, concurrency, max_in_flight, deadline_s, warm, st, addr, tags):
@@ -138,24 +175,35 @@ async def run_async(engine, reqs, offsets, concurrency, max_in_flight, deadline_
                 gate = asyncio.Semaphore(max_in_flight)
 
                 async def fire(i, off):
-                    await asyncio.sleep(max(0.0, t0 + off - time.perf_counter()))
+                    due = t0 + off
+                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
                     if over():
-                        return
-                    async with gate:
-                        await _one(engine, client, i, reqs[i], t0 + off, st, addr, tags[i])
+                        return                   # not due before the run ended: not part of it
+                    try:
+                        await gate.acquire()
+                    except asyncio.CancelledError:
+                        st.done(_never_sent(i, due, st, max_in_flight, tags[i]))
+                        raise
+                    try:
+                        if over():               # the run ended while it waited at the cap
+                            st.done(_never_sent(i, due, st, max_in_flight, tags[i]))
+                        else:
+                            await _one(engine, client, i, reqs[i], due, st, addr, tags[i])
+                    finally:
+                        gate.release()
                 tasks = [asyncio.create_task(fire(i, off)) for i, off in enumerate(offsets)]
             grace = None if not deadline_s else deadline_s + max(10.0, deadline_s)
             _, pending = await asyncio.wait(tasks, timeout=grace)
-            for t in pending:
-                t.cancel()
-            if pending:
+            if pending:   # past the deadline's grace: stop, record the rest as incomplete
                 st.stop_reason = st.stop_reason or f"max duration {deadline_s}s reached"
+                for t in pending:
+                    t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
     except asyncio.CancelledError:                   # Ctrl-C: stop, keep what finished
+        st.stop_reason = "interrupted"
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        st.stop_reason = "interrupted"
 
 
 def loop_in_thread(make_coro) -> bool:
@@ -201,17 +249,23 @@ def run_sync(engine, reqs, offsets, deadline_s, warm, st, tags) -> None:
             pass
     t0 = st.start()
     st.max_in_flight = 1
-    try:
-        for i, req in enumerate(reqs):
-            if deadline_s and time.perf_counter() - t0 > deadline_s:
-                st.stop_reason = f"max duration {deadline_s}s reached"
-                break
-            sched = t0 + offsets[i] if offsets is not None else time.perf_counter()
+    for i, req in enumerate(reqs):
+        if deadline_s and time.perf_counter() - t0 > deadline_s:
+            st.stop_reason = f"max duration {deadline_s}s reached"
+            break
+        sched, events, sent = (t0 + offsets[i] if offsets is not None else time.perf_counter()), [], None
+        try:
             time.sleep(max(0.0, sched - time.perf_counter()))
+            sent = time.perf_counter()   # record() notes its own send time a few us later
             # an engine error is recorded as an error trace, and the run goes on
-            st.done(record(engine, req, request_id=i, scheduled_t=sched, in_flight_at_send=1, **tags[i]))
-    except KeyboardInterrupt:        # Ctrl-C: the request in progress is dropped, the rest kept
-        st.stop_reason = "interrupted"
+            st.done(record(engine, req, request_id=i, scheduled_t=sched, events=events,
+                           in_flight_at_send=1, **tags[i]))
+        except KeyboardInterrupt:    # Ctrl-C: the request in progress is kept as incomplete
+            st.stop_reason = "interrupted"
+            if sent is not None:
+                st.done(incomplete_trace(events, "in progress when the run was interrupted", request_id=i,
+                                         scheduled_t=sched, sent_t=sent, in_flight_at_send=1, **tags[i]))
+            break
 
 
 def self_check(df, cpu_frac: float, is_async: bool, st: State, max_in_flight: int,

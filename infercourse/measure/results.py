@@ -4,8 +4,11 @@ A number without its conditions (which machine, engine version, flags, model fil
 sampling, load pattern) cannot be compared with anything. `RunWriter` writes
 `manifest.json` *before* the first request, then appends each finished request to
 `requests.jsonl` with flush + fsync, so a crash or a killed server loses nothing already
-measured. `load_run` reads it back (keeping every complete line of a run cut short), and
-`compare` / `differing_conditions` put runs side by side.
+measured. During a load test the writing runs on a writer thread (`start_thread` /
+`submit`): JSON encoding and fsync on the event loop would delay every other stream's
+timestamps. `load_run` reads a run back (keeping every complete line of a run cut short),
+`compare` / `differing_conditions` put runs side by side, and `report_lines` gives the
+lines every summary prints (ok / error / incomplete, prompt-cache hits, goodput).
 
 Layout of a run directory::
 
@@ -14,13 +17,17 @@ Layout of a run directory::
 """
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import json
 import os
+import queue
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import pandas as pd
 
@@ -67,6 +74,12 @@ class RunWriter:
         manifest: the run's conditions (engine, model, sampling, load, workload...);
             machine facts from `environment_manifest()` are added unless already given.
 
+    `write(trace)` appends and fsyncs before returning. A load generator calls
+    `start_thread()` once and then `submit(trace)`, which only queues the trace: a writer
+    thread encodes it, appends it and fsyncs once per batch (whatever queued meanwhile),
+    so a request is on disk one fsync after it finished. `close()` (also at interpreter
+    exit) drains the queue first; only a `kill -9` can lose the few milliseconds queued.
+
     Use as a context manager: leaving the block closes the run, recording an error
     status if the block raised.
     """
@@ -85,27 +98,97 @@ class RunWriter:
         _atomic_json(self.dir / MANIFEST, self.manifest)
         self._f = open(self.dir / REQUESTS, "a", encoding="utf-8")
         self.n = 0
+        self._q: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        _OPEN.add(self)
+
+    def _append(self, traces: list[RequestTrace]) -> None:
+        self._f.write("".join(json.dumps(t.as_row(), default=_jsonable) + "\n" for t in traces))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self.n += len(traces)
 
     def write(self, trace: RequestTrace) -> None:
         """Append one finished request and force it to disk before returning."""
-        self._f.write(json.dumps(trace.as_row(), default=_jsonable) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self.n += 1
+        self._append([trace])
+
+    def start_thread(self, on_written: Callable[[int], Any] | None = None) -> None:
+        """Write from now on through `submit` on a writer thread.
+
+        Args:
+            on_written: called on the writer thread with the number of requests just
+                made durable (e.g. a progress bar's `update`), so it costs the caller nothing.
+        """
+        if self._thread is not None:
+            return
+        self._q = queue.SimpleQueue()
+
+        def loop() -> None:
+            done = False
+            while not done:
+                batch = [self._q.get()]
+                while True:                        # everything queued meanwhile: one fsync
+                    try:
+                        batch.append(self._q.get_nowait())
+                    except queue.Empty:
+                        break
+                done = batch[-1] is None
+                batch = [t for t in batch if t is not None]
+                if batch and self._error is None:
+                    try:
+                        self._append(batch)
+                        if on_written is not None:
+                            on_written(len(batch))
+                    except BaseException as e:  # noqa: BLE001 - raised in the caller by close()
+                        self._error = e
+
+        self._thread = threading.Thread(target=loop, name="infercourse-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, trace: RequestTrace) -> None:
+        """Queue one finished request for the writer thread (nothing else happens here)."""
+        if self._q is None:
+            self.write(trace)
+        else:
+            self._q.put(trace)
+
+    def flush(self) -> None:
+        """Wait until every submitted request is on disk (stops the writer thread)."""
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._thread, self._q = None, None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise OSError(f"writing {self.dir / REQUESTS} failed: {err}") from err
 
     def close(self, status: str = "ok") -> None:
-        """Record end time, status and request count in the manifest."""
+        """Drain the writer thread, then record end time, status and request count."""
         if self._f.closed:
             return
-        self._f.close()
-        self.manifest.update(end_time=utc_now(), status=status, n_requests=self.n)
-        _atomic_json(self.dir / MANIFEST, self.manifest)
+        try:
+            self.flush()
+        finally:
+            self._f.close()
+            self.manifest.update(end_time=utc_now(), status=status, n_requests=self.n)
+            _atomic_json(self.dir / MANIFEST, self.manifest)
+            _OPEN.discard(self)
 
     def __enter__(self) -> "RunWriter":
         return self
 
     def __exit__(self, etype, exc, tb) -> None:
         self.close("ok" if exc is None else f"error: {etype.__name__}: {exc}")
+
+
+_OPEN: "weakref.WeakSet[RunWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:  # an interpreter leaving with a run still open: nothing finished is lost
+    for w in list(_OPEN):
+        w.close("error: interpreter exited before the run was closed")
 
 
 @dataclass
@@ -147,6 +230,38 @@ def load_run(directory: str | os.PathLike) -> Run:
         warnings.warn(f"{d / REQUESTS}: skipped {len(bad)} incomplete line(s) {bad[:3]}; "
                       f"kept {len(traces)} complete request(s)", stacklevel=2)
     return Run(d, manifest, metrics.per_request_frame(traces), traces)
+
+
+STATUSES = ("ok", "error", "incomplete")   # incomplete: in flight (or due) when the run stopped
+
+
+def report_lines(df: pd.DataFrame, slos: Mapping[str, float] | None = None) -> list[str]:
+    """The lines every run summary prints beside its percentiles: requests by status (the
+    percentiles are of `ok` ones, so failed and cut-off requests must show somewhere), the
+    prompt-cache hits (cached / prompt tokens: a run served from a warm cache looks many
+    times faster), and goodput when SLOs are given (`summary.goodput`).
+
+    Args:
+        df: a `per_request_frame`.
+        slos: metric name -> target, e.g. {"ttft_s": 0.5}; None: no goodput line.
+    """
+    counts = df["status"].value_counts().to_dict() if len(df) else {}
+    names = list(STATUSES) + sorted(set(counts) - set(STATUSES))
+    lines = ["requests: " + ", ".join(f"{int(counts.get(s, 0))} {s}" for s in names)]
+    known = df[df["cached_tokens"].notna() & df["prompt_tokens"].notna()] if len(df) else df
+    if len(known) and known["prompt_tokens"].sum() > 0:
+        cached, prompt = float(known["cached_tokens"].sum()), float(known["prompt_tokens"].sum())
+        lines.append(f"prompt cache: {cached:.0f} of {prompt:.0f} prompt tokens cached "
+                     f"({cached / prompt:.0%}) over {len(known)} requests")
+    else:
+        lines.append("prompt cache: not reported (cached tokens unknown for this engine)")
+    if slos:
+        g = summary.goodput(df, slos)
+        ops = ", ".join(f"{k} {'<=' if summary.SLO_METRICS.get(k) == 'max' else '>='} {v:g}"
+                        for k, v in slos.items())
+        lines.append(f"goodput: {g['n_good']} of {g['n']} requests met every SLO ({ops}): "
+                     f"{g['good_fraction']:.0%}, {g['goodput_requests_per_s']:.3g} req/s")
+    return lines
 
 
 def compare(runs: Iterable[Run], metric_names: Iterable[str] = ("ttft_s", "tpot_s", "e2e_s",

@@ -87,11 +87,14 @@ def local_tokenizer(engine) -> Callable[[str], list]:
 
 @dataclass(frozen=True)
 class Workload:
-    """A named list of requests, with optional send offsets (seconds from the run start)."""
+    """A named list of requests, with optional send offsets (seconds from the run start).
+    `cache_workload`: its requests are meant to share prefixes (prefix caching is what it
+    measures), so bench does not salt its prompts."""
 
     name: str
     requests: tuple[Request, ...]
     offsets_s: tuple[float, ...] | None = None
+    cache_workload: bool = False
 
     @property
     def sha256(self) -> str:
@@ -99,7 +102,8 @@ class Workload:
                              "offsets_s": self.offsets_s})
 
     def describe(self) -> dict:
-        return {"name": self.name, "sha256": self.sha256, "n_requests": len(self.requests)}
+        return {"name": self.name, "sha256": self.sha256, "n_requests": len(self.requests),
+                "cache_workload": self.cache_workload}
 
 
 def _req_dict(r: Request) -> dict:
@@ -202,7 +206,7 @@ def shared_prefix_workload(n_tasks: int = 16, *, variant: str = "shared", max_to
         reqs.append(Request(messages=[{"role": "system", "content": system_prompt(tools, header=header)},
                                       {"role": "user", "content": f"Task {i + 1}: {task}."}],
                             max_tokens=max_tokens, seed=seed))
-    return Workload(f"shared-prefix-{variant}-{n_tasks}", tuple(reqs))
+    return Workload(f"shared-prefix-{variant}-{n_tasks}", tuple(reqs), cache_workload=True)
 
 
 # -- the agentic coding session ---------------------------------------------------------------
@@ -298,7 +302,7 @@ def agentic_workload(path: Path | None = None) -> Workload:
         raise WorkloadError(f"{path} not found", hint="run `python -m infercourse.measure.workloads build`")
     session = json.loads(path.read_text())
     offsets, reqs = zip(*replay_calls(session))
-    return Workload(session["name"], tuple(reqs), tuple(offsets))
+    return Workload(session["name"], tuple(reqs), tuple(offsets), cache_workload=True)
 
 
 def eval_text() -> str:

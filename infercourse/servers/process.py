@@ -33,10 +33,23 @@ from infercourse.core.errors import ServerLayerError
 from infercourse.models.embedded import cache_dir
 from infercourse.servers import watchdog as _watchdog
 
-__all__ = ["HOST", "Server", "free_port"]
+__all__ = ["HOST", "Server", "free_port", "scrub_argv"]
 
 HOST = "127.0.0.1"
 _RUNNING: set["Server"] = set()
+SECRET_FLAGS = ("--api-key", "--hf-token")   # their values never reach a log or a manifest
+
+
+def scrub_argv(argv: list[str]) -> list[str]:
+    """`argv` with each secret flag's value (`--api-key K` or `--api-key=K`) shown as ***."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        flag, eq, _ = arg.partition("=")
+        if i and argv[i - 1] in SECRET_FLAGS:
+            out.append("***")
+        else:
+            out.append(f"{flag}=***" if eq and flag in SECRET_FLAGS else arg)
+    return out
 
 
 def free_port() -> int:
@@ -110,7 +123,7 @@ class Server:
         argv = [str(a) for a in self.argv()]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(("$ " + " ".join(argv) + "\n").encode())
+            log.write(("$ " + " ".join(scrub_argv(argv)) + "\n").encode())
             log.flush()
             # stdin=PIPE: only we hold the write end, so the watchdog reads EOF when we die
             self.proc = subprocess.Popen(
@@ -194,7 +207,7 @@ class Server:
 
     def describe(self) -> dict[str, Any]:
         """What a result manifest records about this server."""
-        argv = [str(a) for a in self.argv()]
+        argv = scrub_argv([str(a) for a in self.argv()])
         return {"server": self.name, "binary": argv[0], "version": self.version(), "argv": argv,
                 "host": HOST, "port": self.port, "url": self.url, "pid": self.pid,
                 "log_path": str(self.log_path)}
