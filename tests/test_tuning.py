@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from infercourse.core.trace import RequestTrace
+from infercourse.lessons import classic_problems as CP
 from infercourse.lessons import tuning as T
 
 
@@ -128,21 +129,41 @@ def test_kv_cache_from_log_and_prediction():
            "llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB\n")
     assert T.kv_cache_mib_from_log(log) == pytest.approx(90.0)
     assert math.isnan(T.kv_cache_mib_from_log("nothing here"))
-    card = SimpleNamespace(kv_bytes_per_token=lambda b: 2 * 30 * 3 * 64 * b)
-    f16 = T.predicted_kv_mib(card, T.ServerConfig(n_parallel=2, ctx_per_slot=2048))
+    card = SimpleNamespace(kv_bytes_per_token=lambda b: 2 * 30 * 3 * 64 * b, tensor_bytes=100 * 2**20)
+    f16 = CP.predicted_kv_mib(card, 4096)
     assert f16 == pytest.approx(2 * 30 * 3 * 64 * 2 * 4096 / 2**20)           # = 90 MiB
-    q8 = T.predicted_kv_mib(card, T.ServerConfig(n_parallel=2, ctx_per_slot=2048, cache_type_k="q8_0"))
+    q8 = CP.predicted_kv_mib(card, 4096, cache_type_k="q8_0")
     assert q8 / f16 == pytest.approx((34 / 32 + 2) / 4)
     with pytest.raises(ValueError, match="unknown cache type"):
-        T.predicted_kv_mib(card, T.ServerConfig(cache_type_k="q3"))
+        CP.predicted_kv_mib(card, 4096, cache_type_k="q3")
+    # 1 GiB free, 100 MiB of weights, 24 MiB of compute: (1024 - 124) MiB / 23,040 B per token
+    assert CP.max_context_tokens(card, free_bytes=2**30, compute_mib=24) == (900 * 2**20) // 23040
+    assert CP.max_context_tokens(card, free_bytes=50 * 2**20) == 0
 
 
 def test_problems_frame_has_six_and_places_evidence():
-    t = T.problems_frame({"P95 jitter": "p95/p50 = 3.1 at -np 1"})
+    t = CP.problems_frame({"P95 jitter": "p95/p50 = 3.1 at -np 1"})
     assert len(t) == 6 and t.loc["P95 jitter", "measured here"].startswith("p95/p50")
     assert t.loc["out of memory", "measured here"] == "not measured here"
     with pytest.raises(ValueError, match="unknown problem"):
-        T.problems_frame({"slow disks": "x"})
+        CP.problems_frame({"slow disks": "x"})
+
+
+def test_production_workloads_and_overflow():
+    users = [SimpleNamespace(i=i) for i in range(4)]
+    w = CP.production_workloads(users, 2.0, load=0.5, seed=3)
+    assert w["local"] == (users, {"pattern": "sequential"})
+    assert w["production"][1] == {"pattern": "poisson", "rate_rps": 1.0, "seed": 3}
+    with pytest.raises(ValueError):
+        CP.production_workloads(users, 0.0)
+    tok = lambda text: text.split()          # noqa: E731
+    r = CP.overflow_request(tok, 100, extra=10)
+    assert len(tok(r.messages[0]["content"])) == 110
+
+
+def test_p95_over_p50_is_tail_over_median():
+    df = pd.DataFrame({"status": "ok", "ttft_s": [1.0] * 19 + [21.0]})
+    assert CP.p95_over_p50(df) == pytest.approx(np.percentile(df.ttft_s, 95) / 1.0)
 
 
 @pytest.mark.slow
@@ -157,6 +178,15 @@ def test_serve_and_measure_logs_the_kv_cache_it_predicts(tmp_path):
     assert run.manifest["server_config"]["n_parallel"] == 2 and len(run.df) == 2
     assert out["rss_mb"] > 0
     # llama-server may round the cache up (padding), never below the formula
-    assert out["kv_cache_mib"] >= T.predicted_kv_mib(model_card(None), cfg) * 0.99
+    assert out["kv_cache_mib"] >= CP.predicted_kv_mib(model_card(None), 1024) * 0.99
+    assert out["one_cached_tokens"] >= 0
     shares = T.stage_shares(run.traces)
     assert (shares[["queue_share", "prefill_share", "decode_share"]].sum(axis=1) - 1).abs().max() < 1e-9
+
+
+def test_predicted_queue_share_by_hand():
+    # C=4, N=8, S=1: waits 0,1,2,3 then 3 each for the second round: 18 of 18 + 8
+    assert T.predicted_queue_share(4, 8) == pytest.approx(18 / 26)
+    assert T.predicted_queue_share(1, 8) == 0
+    assert T.predicted_queue_share(4, 4) == pytest.approx(6 / 10)
+    assert set(T.TARGETS) <= set(T.ServerConfig.__dataclass_fields__)

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-import numpy as np
 import pandas as pd
 
 from infercourse.core import metrics, summary
@@ -37,9 +36,8 @@ from infercourse.core.types import Request
 from infercourse.measure import bench
 from infercourse.measure.results import new_run_dir
 
-__all__ = ["ServerConfig", "serve_and_measure", "tuning_workloads", "stage_shares", "bottleneck", "decide", "TuningLog",
-           "kv_cache_mib_from_log", "predicted_kv_mib", "PROBLEMS", "problems_frame", "quality_drop",
-           "ADVICE"]
+__all__ = ["ServerConfig", "serve_and_measure", "tuning_workloads", "stage_shares", "bottleneck", "ADVICE",
+           "TARGETS", "predicted_queue_share", "plot_stages", "decide", "TuningLog", "kv_cache_mib_from_log"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,8 @@ def serve_and_measure(config: ServerConfig, workloads: dict[str, Any], *, result
     """Start llama-server with `config`, run each named workload through `bench.run`, stop it.
 
     Returns {"config", "runs": {name: BenchResult}, "rss_mb": server RSS after the runs,
-    "kv_cache_mib": the KV cache size the server logged}.
+    "kv_cache_mib": the KV cache size the server logged, "<name>_cached_tokens": prompt
+    tokens served from the cache in each run}.
 
     Args:
         config: the server's knobs (recorded in every run's manifest under `server_config`).
@@ -95,9 +94,11 @@ def serve_and_measure(config: ServerConfig, workloads: dict[str, Any], *, result
     with config.server(model) as srv:
         engine = srv.engine()
         for name, (wl, kw) in workloads.items():
-            out["runs"][name] = bench.run(engine, wl, label=name, progress=False,
-                                          out_dir=new_run_dir(results_root, name),
-                                          conditions={"server_config": asdict(config)}, **{**run_kw, **kw})
+            r = out["runs"][name] = bench.run(engine, wl, label=name, progress=False,
+                                              out_dir=new_run_dir(results_root, name),
+                                              conditions={"server_config": asdict(config)}, **{**run_kw, **kw})
+            # prompt tokens the server reused from its cache: a count, not a noisy timing
+            out[f"{name}_cached_tokens"] = float(r.df["cached_tokens"].fillna(0).sum()) if len(r.df) else math.nan
         try:
             out["rss_mb"] = psutil.Process(srv.pid).memory_info().rss / 1e6
         except (psutil.Error, TypeError, ValueError):
@@ -168,6 +169,46 @@ def bottleneck(shares: pd.DataFrame) -> dict[str, Any]:
     frac = {s: v / whole for s, v in totals.items()}
     top = max(frac, key=frac.get)
     return {"stage": top, "shares": frac, "advice": ADVICE[top]}
+
+
+# knob -> (target the trial is judged on, better when, the hypothesis logged with it)
+TARGETS = {
+    "n_parallel": ("users:ttft_s", "lower", "queueing dominates: more slots serve concurrent users together"),
+    "ctx_per_slot": ("kv_cache_mib", "lower", "KV memory is allocated for every slot's whole context"),
+    "threads": ("users:e2e_s", "lower", "decode and prefill split their work across threads"),
+    "batch": ("users:ttft_s", "lower", "prefill evaluates the prompt in logical batches of -b tokens"),
+    "ubatch": ("users:ttft_s", "lower", "smaller physical batches shrink compute buffers: do they slow prefill?"),
+    "cache_type_k": ("kv_cache_mib", "lower", "a q8_0 K cache stores ~1 byte per element instead of 2"),
+    "cache_reuse": ("shift_cached_tokens", "higher", "the second request's doc2 is cached, at another position"),
+}
+
+
+def predicted_queue_share(concurrency: int, n_requests: int) -> float:
+    """Share of E2E spent queueing with ONE slot, `concurrency` closed-loop users and
+    equal service times S: the first round waits 0, S, ..., (C-1)S; every later request
+    waits for the C-1 others ahead of it. Queue share = total wait / (total wait + N S)."""
+    c, n = concurrency, max(n_requests, concurrency)
+    wait = c * (c - 1) / 2 + (n - c) * (c - 1)
+    return wait / (wait + n)
+
+
+def plot_stages(sessions: dict[str, dict[str, Any]], ax, workload: str = "users"):
+    """Mean seconds per request in queue, prefill and decode, one stacked bar per session,
+    with the baseline's mean E2E as the reference line."""
+    names, parts = list(sessions), {"queue": [], "prefill": [], "decode": []}
+    for n in names:
+        sh = stage_shares(sessions[n]["runs"][workload].traces)
+        for k in parts:
+            parts[k].append(float(sh[f"{k}_s"].mean()))
+    left = [0.0] * len(names)
+    for k, color in zip(parts, ("tab:red", "tab:orange", "tab:blue")):
+        ax.barh(names, parts[k], left=left, color=color, label=k)
+        left = [a + b for a, b in zip(left, parts[k])]
+    ax.axvline(left[0], ls="--", color="k", label=f"baseline mean E2E {left[0]:.2f} s")
+    ax.set(xlabel="mean seconds per request", title=f"Where E2E goes ({workload} workload), per trial")
+    ax.invert_yaxis()
+    ax.legend(loc="lower right", fontsize=8)
+    return ax
 
 
 def decide(before, after, metric: str = "ttft_s", q: int = 50, *, goal: str = "lower") -> dict[str, Any]:
@@ -308,72 +349,3 @@ def kv_cache_mib_from_log(text: str) -> float:
     log lines (NaN if the build logs none)."""
     found = [float(x) for x in _KV_RE.findall(text)]
     return float(sum(found)) if found else math.nan
-
-
-_KV_BYTES = {"f16": 2.0, "bf16": 2.0, "f32": 4.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
-             "q4_1": 20 / 32, "q4_0": 18 / 32}
-
-
-def predicted_kv_mib(card, config: ServerConfig) -> float:
-    """KV cache the config should allocate: -c tokens x (K bytes + V bytes) per token, with
-    K in `cache_type_k` and V in f16 (block types counted with their scales)."""
-    if config.cache_type_k not in _KV_BYTES:
-        raise ValueError(f"unknown cache type {config.cache_type_k!r}; choose from {sorted(_KV_BYTES)}")
-    per_token = card.kv_bytes_per_token((_KV_BYTES[config.cache_type_k] + 2.0) / 2)
-    return per_token * config.ctx_per_slot * config.n_parallel / 2**20
-
-
-# The study plan's six classic problems: symptom -> where to look first -> knobs.
-PROBLEMS = {
-    "out of memory": ("the server dies at start or under load; RSS near the limit",
-                      "memory = weights + KV (-c x bytes/token) + compute buffers", "-c, -ctk/-ctv, -np, a smaller quantization"),
-    "slow first token": ("TTFT high, decode fine", "queue vs prefill share of TTFT",
-                         "-np (queue), -b/-ub and prefix reuse (prefill), shorter prompts"),
-    "low decode throughput": ("tokens/s far under the bandwidth ceiling", "decode share; MBU",
-                              "-t threads, quantization, batching (-np with concurrent users)"),
-    "P95 jitter": ("p95 far above p50", "queue share per request; noisy neighbours",
-                   "-np, admission control, pinning threads, max_tokens"),
-    "quality drop after quantization": ("answers change or degrade", "perplexity on a fixed text vs the original",
-                                        "a bigger quantization (Q8_0/Q6_K), an imatrix, keep embeddings in 8 bits"),
-    "fast locally, slow in production": ("one-user test fine, users complain", "TTFT under the real arrival pattern",
-                                         "capacity (slots, replicas), prefix caching, the same flags as the test"),
-}
-
-
-def problems_frame(evidence: dict[str, str]) -> pd.DataFrame:
-    """The six problems as a table, with what this notebook measured for each (or why not).
-
-    Args:
-        evidence: {problem: one computed sentence}; problems missing get "not measured here".
-    """
-    unknown = set(evidence) - set(PROBLEMS)
-    if unknown:
-        raise ValueError(f"unknown problem(s) {sorted(unknown)}; choose from {list(PROBLEMS)}")
-    rows = [{"problem": p, "symptom": s, "look at first": look, "knobs": knobs,
-             "measured here": evidence.get(p, "not measured here")} for p, (s, look, knobs) in PROBLEMS.items()]
-    return pd.DataFrame(rows).set_index("problem")
-
-
-def quality_drop(qtype: str = "Q2_K", *, words: int = 150, n_threads: int = 2) -> dict[str, Any]:
-    """Perplexity of the original Q4_1 file vs a re-quantized one on the same fixed text,
-    and the per-token NLL difference with its standard error (paired, same tokens).
-
-    Args:
-        qtype: a llama.cpp quantization type, derived once from the F16 GGUF.
-        words: words of the course's evaluation prose scored.
-    """
-    from infercourse.measure.workloads import eval_text
-    from infercourse.models.formats import quantized_gguf
-    from infercourse.models.modelcard import model_card
-    from infercourse.models.quality import token_nlls
-    text = " ".join(eval_text().split()[:words])
-    path = quantized_gguf(qtype)
-    ids_a, a = token_nlls(None, text, n_threads=n_threads)
-    ids_b, b = token_nlls(path, text, n_threads=n_threads)
-    if ids_a != ids_b:
-        raise ValueError("the two files tokenize the text differently: NLLs are not paired")
-    d = b - a
-    return {"qtype": qtype, "tokens": len(d), "ppl_original": float(np.exp(a.mean())),
-            "ppl_quantized": float(np.exp(b.mean())), "nll_diff": float(d.mean()),
-            "nll_diff_se": float(d.std(ddof=1) / np.sqrt(len(d))),
-            "bits_original": model_card(None).bits_per_weight, "bits_quantized": model_card(path).bits_per_weight}

@@ -1,0 +1,151 @@
+"""The six classic serving problems, each as a small measured case.
+
+Out of memory; slow first token; low decode throughput; P95 jitter; quality drop after
+quantization; fast locally, slow in production. Each has a symptom, a first place to look
+and the knobs that address it (`PROBLEMS`). The tuning notebook measures what a 2-core
+CPU can show of each and says why not for the rest: a real out-of-memory kill is never
+provoked on a shared machine; instead the memory a configuration needs is predicted
+(weights + KV cache = -c tokens x bytes per token + compute buffers), checked against
+what the server logged, and the largest context that would fit in the RAM free right now
+is computed.
+
+"Fast locally, slow in production" is mostly queueing: a one-user test sends the next
+request after the last one ends; real users arrive independently (a Poisson process), so
+bursts queue even when the average rate is below capacity.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import psutil
+
+from infercourse.core import summary
+from infercourse.core.types import Request
+
+__all__ = ["PROBLEMS", "problems_frame", "KV_BYTES", "predicted_kv_mib", "max_context_tokens",
+           "quality_drop", "production_workloads", "overflow_request", "p95_over_p50"]
+
+# symptom, where to look first, knobs (from llama.cpp's server docs and the course's lessons)
+PROBLEMS = {
+    "out of memory": ("the server dies at start or under load; RSS near the limit",
+                      "weights + KV (-c x bytes/token) + compute buffers", "-c, -ctk/-ctv, -np, a smaller quantization"),
+    "slow first token": ("TTFT high, decode fine", "queue vs prefill share of TTFT",
+                         "-np (queue); -b/-ub, prefix reuse, shorter prompts (prefill)"),
+    "low decode throughput": ("tokens/s far under the bandwidth ceiling", "decode share; MBU; threads vs cores",
+                              "-t, quantization, batching users (-np)"),
+    "P95 jitter": ("p95 far above p50", "queue share per request; noisy neighbours",
+                   "-np, admission control, fewer threads than busy cores, max_tokens"),
+    "quality drop after quantization": ("answers change or degrade", "perplexity on a fixed text vs the original",
+                                        "a bigger quantization (Q8_0/Q6_K), an importance matrix"),
+    "fast locally, slow in production": ("one-user test fine, users complain", "TTFT under the real arrival pattern",
+                                         "capacity (slots, replicas), prefix caching, the same flags as the test"),
+}
+
+# bytes per cached element; block types carry their scales (q8_0: 32 int8 + one f16 scale)
+KV_BYTES = {"f16": 2.0, "bf16": 2.0, "f32": 4.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
+            "q4_1": 20 / 32, "q4_0": 18 / 32}
+
+
+def problems_frame(evidence: dict[str, str]) -> pd.DataFrame:
+    """The six problems as a table, with what was measured for each (or why not).
+
+    Args:
+        evidence: {problem: one computed sentence}; missing problems read "not measured here".
+    """
+    unknown = set(evidence) - set(PROBLEMS)
+    if unknown:
+        raise ValueError(f"unknown problem(s) {sorted(unknown)}; choose from {list(PROBLEMS)}")
+    rows = [{"problem": p, "symptom": s, "look at first": look, "knobs": knobs,
+             "measured here": evidence.get(p, "not measured here")} for p, (s, look, knobs) in PROBLEMS.items()]
+    return pd.DataFrame(rows).set_index("problem")
+
+
+def predicted_kv_mib(card, n_ctx: int, cache_type_k: str = "f16", cache_type_v: str = "f16") -> float:
+    """KV cache a server allocates for `n_ctx` tokens (all slots), in MiB.
+
+    Args:
+        card: a `ModelCard` (its `kv_bytes_per_token(dtype_bytes)`).
+        n_ctx: total context, -c (per slot x slots).
+        cache_type_k, cache_type_v: -ctk / -ctv element types.
+    """
+    for t in (cache_type_k, cache_type_v):
+        if t not in KV_BYTES:
+            raise ValueError(f"unknown cache type {t!r}; choose from {sorted(KV_BYTES)}")
+    return card.kv_bytes_per_token((KV_BYTES[cache_type_k] + KV_BYTES[cache_type_v]) / 2) * n_ctx / 2**20
+
+
+def max_context_tokens(card, *, free_bytes: float | None = None, compute_mib: float = 0.0,
+                       cache_type: str = "f16") -> int:
+    """The largest -c whose weights + KV cache + compute buffers fit in `free_bytes`.
+
+    Args:
+        card: a `ModelCard`.
+        free_bytes: memory available (None: what psutil says is available now).
+        compute_mib: compute buffers the server logged (they grow with -ub, not -c).
+        cache_type: K and V element type.
+    """
+    free = psutil.virtual_memory().available if free_bytes is None else free_bytes
+    room = free - card.tensor_bytes - compute_mib * 2**20
+    per_token = card.kv_bytes_per_token(KV_BYTES[cache_type])
+    return max(0, int(room // per_token))
+
+
+def quality_drop(qtype: str = "Q2_K", *, words: int = 150, n_threads: int = 1) -> dict[str, Any]:
+    """Perplexity of the original Q4_1 file vs a re-quantized one on the same fixed text,
+    and the mean per-token NLL difference with its standard error (paired: same tokens).
+
+    Args:
+        qtype: a llama.cpp quantization type, derived once from the F16 GGUF.
+        words: words of the course's evaluation prose scored.
+        n_threads: CPU threads for the forward passes.
+    """
+    from infercourse.measure.workloads import eval_text
+    from infercourse.models.formats import quantized_gguf
+    from infercourse.models.modelcard import model_card
+    from infercourse.models.quality import token_nlls
+    text = " ".join(eval_text().split()[:words])
+    path = quantized_gguf(qtype)
+    ids_a, a = token_nlls(None, text, n_threads=n_threads)
+    ids_b, b = token_nlls(path, text, n_threads=n_threads)
+    if ids_a != ids_b:
+        raise ValueError("the two files tokenize the text differently: NLLs are not paired")
+    d = b - a
+    return {"qtype": qtype, "tokens": len(d), "ppl_original": float(np.exp(a.mean())),
+            "ppl_quantized": float(np.exp(b.mean())), "nll_diff": float(d.mean()),
+            "nll_diff_se": float(d.std(ddof=1) / math.sqrt(len(d))),
+            "bits_original": model_card(None).bits_per_weight, "bits_quantized": model_card(path).bits_per_weight}
+
+
+def production_workloads(users: list[Request], capacity_rps: float, *, load: float = 0.7,
+                         seed: int = 0) -> dict[str, tuple[list[Request], dict]]:
+    """The same requests sent two ways: one user at a time ("local": how a developer
+    tests) and as independent arrivals at `load` x the measured capacity ("production").
+
+    Args:
+        users: the requests.
+        capacity_rps: completed requests per second the server sustained under load.
+        load: fraction of capacity the Poisson arrivals average (below 1: it *can* keep up).
+        seed: the arrival schedule's seed.
+    """
+    if not capacity_rps > 0 or not 0 < load:
+        raise ValueError(f"need capacity_rps > 0 and load > 0, got {capacity_rps}, {load}")
+    return {"local": (users, {"pattern": "sequential"}),
+            "production": (users, {"pattern": "poisson", "rate_rps": load * capacity_rps, "seed": seed})}
+
+
+def overflow_request(tokenize, ctx_per_slot: int, *, extra: int = 64) -> Request:
+    """One request whose prompt is `extra` tokens longer than a slot's context: the server
+    must refuse it (llama-server splits -c between its -np slots)."""
+    from infercourse.measure.workloads import exact_length_prompt
+    return Request(messages=[{"role": "user", "content": exact_length_prompt(ctx_per_slot + extra, tokenize)}],
+                   max_tokens=4)
+
+
+def p95_over_p50(df: pd.DataFrame, metric: str = "ttft_s") -> float:
+    """Tail over median of one metric (point estimates: with few requests there is no
+    interval for p95, so read it as a symptom, not a measurement)."""
+    s = summary.summarize(df, [metric]).loc[metric]
+    return float(s["p95"] / s["p50"])
