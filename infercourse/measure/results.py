@@ -302,16 +302,6 @@ def _under(key: str, prefixes: Iterable[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
-class UnfairComparisonError(InferCourseError):
-    """Runs differ in a condition that must be the same for their numbers to be compared."""
-
-    layer = "measurement"
-
-
-def _under(key: str, prefixes: Iterable[str]) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in prefixes)
-
-
 def differing_conditions(runs: Iterable[Run], ignore: Iterable[str] = (
         "start_time", "end_time", "n_requests"), *, must_match: Iterable[str] = (),
         allow: Iterable[str] = ()) -> pd.DataFrame:
