@@ -9,7 +9,9 @@ import time
 import numpy as np
 import pytest
 
+from infercourse.core.types import Request
 from infercourse.measure.results import load_run
+from infercourse.measure.workloads import Workload
 from infercourse.ops import sampling, soak
 
 # llama-server (this build) `GET /metrics` with --metrics, trimmed.
@@ -93,6 +95,11 @@ def test_soak_cli_help(capsys):
     assert e.value.code == 0 and "--duration" in out and "24h" in out and "--kill-at" in out
 
 
+# Short chats keep the real-server tests light (the agentic calls prefill ~600 tokens each).
+LIGHT = Workload("light", tuple(Request(messages=[{"role": "user", "content": q}], max_tokens=8)
+                               for q in ("Say hi.", "Name a colour.", "Count to three.")))
+
+
 @pytest.fixture
 def server():
     from infercourse.servers import LlamaServer
@@ -103,13 +110,14 @@ def server():
 
 @pytest.mark.slow
 def test_short_soak_writes_a_folder_report_reads(server, tmp_path, capsys):
-    r = soak.soak(server, soak.soak_workload("mix", max_calls=3), duration_s=6, concurrency=2,
+    r = soak.soak(server, LIGHT, duration_s=8, concurrency=2,
                   interval_s=0.5, out_dir=tmp_path / "soak", progress=False)
-    assert len(r.df) >= 1 and r.summary["requests"] == len(r.df) and r.summary["restarts"] == 0
+    assert (r.df["status"] == "ok").sum() >= 1 and r.summary["requests"] == len(r.df)
+    assert r.summary["restarts"] == 0 and r.summary["error_rate"] == 0
     assert len(r.samples) >= 2 and (r.samples["rss_mib"] > 0).all()
     assert {"llamacpp:requests_processing", "kv_used_frac"} <= set(r.samples.columns)
     man = json.loads((r.dir / "manifest.json").read_text())
-    assert man["status"] == "ok" and man["soak"]["duration_s"] == 6 and "soak_summary" in man
+    assert man["status"] == "ok" and man["soak"]["duration_s"] == 8 and "soak_summary" in man
     from infercourse.cli import report_main
     assert report_main([str(r.dir)]) == 0 and "ttft_s_p50" in capsys.readouterr().out
 
@@ -129,9 +137,9 @@ def _kill_after(srv, path, n_done, fired):
 def test_killed_server_is_restarted_and_nothing_is_lost(server, tmp_path):
     out, fired = tmp_path / "soak", {}
     server.start()
-    killer = threading.Thread(target=_kill_after, args=(server, out / "requests.jsonl", 2, fired), daemon=True)
+    killer = threading.Thread(target=_kill_after, args=(server, out / "requests.jsonl", 1, fired), daemon=True)
     killer.start()
-    r = soak.soak(server, soak.soak_workload("mix", max_calls=3), duration_s=25, concurrency=2,
+    r = soak.soak(server, LIGHT, duration_s=30, concurrency=2,
                   interval_s=0.5, out_dir=out, progress=False)
     killer.join(1)
     assert fired, "the server was never killed"
@@ -139,7 +147,8 @@ def test_killed_server_is_restarted_and_nothing_is_lost(server, tmp_path):
     assert server.pid != fired["pid"] and server.running              # a new process serves
     kept = load_run(out)
     rounds = kept.df["round"].tolist()
-    assert rounds.count(0) >= 2                                       # measured before the kill: kept
+    assert rounds.count(0) >= 1                                       # measured before the kill: kept
+    assert (kept.df[kept.df["round"] == 0]["status"] == "ok").any()
     assert kept.df["request_id"].is_unique
     assert set(r.samples["pid"].dropna().astype(int)) >= {fired["pid"], server.pid}
     events = [json.loads(x)["event"] for x in (out / "events.jsonl").read_text().splitlines()]

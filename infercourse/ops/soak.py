@@ -110,7 +110,10 @@ class _SoakState(State):
         class _Quiet:
             def update(self, n):
                 pass
-        super().__init__(writer, _Quiet())
+        try:    # write + fsync as each request finishes: a crash of the soak loses nothing
+            super().__init__(writer, _Quiet(), inline=True)
+        except TypeError:   # a State without the writer-thread option writes inline anyway
+            super().__init__(writer, _Quiet())
         self.counter, self.round, self.on_done = counter, round_, on_done
 
     def done(self, tr) -> None:
@@ -276,7 +279,10 @@ def soak_summary(df: pd.DataFrame, samples: pd.DataFrame, events: list[dict],
     out: dict[str, Any] = {"duration_s": duration_s, "requests": len(df),
                            "restarts": sum(e["event"] == "restart" for e in events),
                            "downtime_s": float(sum(e.get("took_s", 0) for e in events if e["event"] == "restart"))}
-    out["error_rate"] = summary.error_rate(df) if len(df) else float("nan")
+    # a request cut off by the soak's end is not a server error; count it apart
+    cut = df["status"].eq("incomplete") if len(df) else pd.Series(dtype=bool)
+    out["incomplete_at_end"] = int(cut.sum())
+    out["error_rate"] = summary.error_rate(df[~cut]) if len(df[~cut]) else float("nan")
     out.update({k: v for k, v in summary.throughput(df).items() if k in ("requests_per_s", "output_tok_per_s")}
                if len(df) else {})
     ok = df[df["status"] == "ok"] if len(df) else df
