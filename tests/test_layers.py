@@ -57,6 +57,13 @@ def test_healthy_evidence_names_no_layer_and_reports_every_layer_in_order():
     ({"api.stream.ttft_s": 2.0}, "API", "warn"),
     ({"engine.slots": [{"is_processing": True}] * 2, "engine.metrics": {"llamacpp:requests_deferred": 3.0},
       "api.stream": {"ok": False, "error": "sent nothing", "error_layer": "API", "timed_out": True}}, "engine", "fail"),
+    ({"api.stream": {"ok": False, "error": "sent nothing", "error_layer": "API", "timed_out": True}},
+     "engine", "fail"),   # healthy, nothing queued, yet no first token: generation stuck or too slow
+    ({"server.direct_health": {"ok": True, "status": 200}, "api.direct_stream": {"ok": True, "chunks": 4},
+      "api.stream": {"ok": False, "error": "cut mid-way", "error_layer": "API"}}, "API", "fail"),
+    ({"server.direct_health": {"ok": True, "status": 200},
+      "api.direct_stream": {"ok": False, "error": "sent nothing", "error_layer": "API", "timed_out": True},
+      "api.stream": {"ok": False, "error": "sent nothing", "error_layer": "API", "timed_out": True}}, "engine", "fail"),
     ({"model.tool_turn": {"ok": False, "status": 500, "body": "no tool role"}}, "model", "fail"),
     ({"context.prompt_tokens": 600, "context.max_tokens": 16}, "context", "fail"),
     ({"kv.usage_ratio": 0.99}, "KV cache", "warn"),

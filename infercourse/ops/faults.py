@@ -130,16 +130,20 @@ def _owned(server: LlamaServer | None, **kw: Any) -> Iterator[LlamaServer]:
 
 
 def _stream_until(srv, n_events: int, action) -> InferCourseError | None:
-    """Stream a long answer; after `n_events` chunks call `action()`; return the error seen."""
-    engine = srv.engine(timeout=5.0)
+    """Stream a long answer; after `n_events` chunks (or a failure first) call `action()`
+    exactly once; return the error the stream ended with."""
+    engine, done = srv.engine(timeout=60.0), False
     try:
         for i, _ in enumerate(engine.stream("Tell a long story.", max_tokens=400, ignore_eos=True)):
             if i + 1 == n_events:
+                done = True
                 action()
     except InferCourseError as e:
         return e
     finally:
         engine.close()
+        if not done:   # a slow machine must not leave the fault uninjected
+            action()
     return None
 
 
@@ -147,7 +151,7 @@ def _stream_until(srv, n_events: int, action) -> InferCourseError | None:
 def _killed(f: Injected, server, seconds: float):
     with _owned(server) as srv:
         pid = srv.pid
-        err = _stream_until(srv, 3, lambda: os.kill(pid, signal.SIGKILL))
+        err = _stream_until(srv, 2, lambda: os.kill(pid, signal.SIGKILL))
         if err:
             f.saw(err)
         with contextlib.suppress(Exception):

@@ -167,9 +167,16 @@ def _api(ev: dict, state: str) -> LayerCheck:
         return _c("API", "ok", f"answers; the probe failed in the {st['error_layer']} layer", error=err)
     if state in ("dead", "stopped") or (st.get("timed_out") and _queued(ev)):
         return _c("API", "warn", f"no answer ({_short(err)}): the cause lies below", error=err)
+    direct = a.get("direct_stream")
+    if state == "healthy" and (direct or {}).get("ok") is False:
+        return _c("API", "warn", f"no stream through this URL, nor directly from the server: the cause lies "
+                  f"below ({_short(err)})", error=err)
+    if state == "healthy" and direct is None and st.get("timed_out"):
+        return _c("API", "warn", f"/health answers but no first token came: the cause lies below ({_short(err)})",
+                  error=err)
     if state == "healthy":
-        return _c("API", "fail", f"the server is healthy but the API path fails: {_short(err)}", error=err,
-                  models_status=models.get("status"))
+        return _c("API", "fail", "the server is healthy" + (" and streams directly" if direct else "")
+                  + f", but the API path fails: {_short(err)}", error=err, models_status=models.get("status"))
     return _c("API", "fail", f"no usable answer: {_short(err)}", error=err)
 
 
@@ -206,6 +213,11 @@ def _engine(ev: dict) -> LayerCheck:
                   "the queue", **evid)
     if slots and busy == len(slots):
         return _c("engine", "warn", f"all {len(slots)} slots busy (the next request waits)", **evid)
+    api = ev.get("api") or {}
+    if (api.get("direct_stream") or api.get("stream") or {}).get("timed_out"):
+        return _c("engine", "fail", f"no first token within the probe's timeout though no request waits "
+                  f"({busy}/{len(slots)} slots busy): generation is stuck or far too slow; check the "
+                  "runtime's threads and the hardware's load", **evid)
     return _c("engine", "ok", f"{busy}/{len(slots)} slots busy, {deferred or 0:.0f} deferred", **evid)
 
 

@@ -122,9 +122,10 @@ class FaultProxy:
                 self._loop.run_forever()
             finally:
                 server.close()
-                for task in asyncio.all_tasks(self._loop):
+                tasks = asyncio.all_tasks(self._loop)
+                for task in tasks:
                     task.cancel()
-                self._loop.run_until_complete(asyncio.sleep(0))
+                self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
                 self._loop.close()
 
         self._until = time.monotonic() + self.max_s
@@ -168,8 +169,8 @@ class FaultProxy:
                 await writer.drain()
                 return
             await self._forward(req, body, down, writer, active)
-        except (ConnectionError, h11.ProtocolError, asyncio.IncompleteReadError):
-            pass
+        except (ConnectionError, h11.ProtocolError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass   # a client or upstream that went away, or the proxy stopping: nothing to answer
         finally:
             writer.close()
 

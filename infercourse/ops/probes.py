@@ -194,6 +194,8 @@ def collect_http(url: str, *, server: Any = None, pid: int | None = None, log_pa
         health = models if silent else _get(c, root + "/health")
         ev["server"] = {"health": health, "direct_url": direct, "process": proc, **_log_info(server, log_path),
                         "direct_health": None if not direct else health if known_down else _get(c, direct + "/health")}
+        if direct and not ev["api"]["stream"].get("ok") and ev["server"]["direct_health"].get("ok"):
+            ev["api"]["direct_stream"] = _probe_stream(direct, model, timeout_s)   # the wire, or the server?
         base = direct or root   # the server's own endpoints: ask it directly when we can
         answers = bool((ev["server"]["direct_health"] or health).get("status"))
         slots, metrics, props = (_get(c, base + p) if answers else {} for p in ("/slots", "/metrics", "/props"))
