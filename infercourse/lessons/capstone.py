@@ -24,8 +24,8 @@ from infercourse.measure.workloads import Workload, agentic_workload
 from infercourse.ops.faults import FAULTS, inject
 from infercourse.ops.layers import doctor_engine, doctor_layers
 
-__all__ = ["HIDDEN", "REPORT_TEMPLATE", "Route", "routes", "replay", "Incident", "run_incident",
-           "grade_report", "soak_recipe"]
+__all__ = ["HIDDEN", "REPORT_TEMPLATE", "Route", "routes", "replay", "summarize", "changed_most", "Incident",
+           "run_incident", "grade_report", "soak_recipe"]
 
 # Faults a route can suffer while the session runs, and still be undone at once.
 HIDDEN = ("latency", "slow_first_byte", "cut", "reset", "5xx", "overloaded", "killed")
@@ -107,6 +107,17 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
                          "first error": first_err})
 
 
+def changed_most(baseline: pd.DataFrame, incident: pd.DataFrame) -> tuple[str, str]:
+    """(route, why): the route with the most new errors, else the largest end-to-end slowdown."""
+    b, i = summarize(baseline), summarize(incident)
+    new_errors = (i["errors"] - b["errors"].reindex(i.index).fillna(0)).sort_values(ascending=False)
+    if new_errors.iloc[0] > 0:
+        route = new_errors.index[0]
+        return route, f"{int(i['errors'][route])} of {int(i['calls'][route])} calls failed ({i['first error'][route]})"
+    ratio = (i["e2e_p50_s"] / b["e2e_p50_s"].reindex(i.index)).sort_values(ascending=False)
+    return ratio.index[0], f"median end-to-end x{ratio.iloc[0]:.1f} the baseline's"
+
+
 @dataclass
 class Incident:
     """A replay under a hidden fault: results and the doctor snapshots taken during it."""
@@ -143,7 +154,7 @@ def run_incident(rs: list[Route], seed: int, n_calls: int, max_tokens: int, out_
             # the on-call snapshot first, while the fault is surely in place; then the session
             inc.snapshots[r.key] = (doctor_layers(url, server=r.server, prompt=longest, max_tokens=max_tokens,
                                                   timeout_s=3) if url else doctor_engine(r.engine))
-            engine = type(r.engine)(url, timeout=8) if f is not None else None
+            engine = type(r.engine)(url, timeout=30) if f is not None else None
             frames.append(replay(r, n_calls, max_tokens, Path(out_dir) / "incident", engine=engine))
     inc.df = pd.concat(frames, ignore_index=True)
     return inc
