@@ -29,6 +29,7 @@ def test_config_changes_one_knob_only_and_builds_the_argv():
     argv = c.change(cache_type_k="q8_0").server().argv()
     assert argv[argv.index("-c") + 1] == "2048"          # total context = per slot x slots
     assert argv[argv.index("-np") + 1] == "2" and argv[argv.index("-ctk") + 1] == "q8_0"
+    assert argv[argv.index("-lv") + 1] == "4"         # buffer sizes are logged only above default verbosity
 
 
 def test_stage_shares_split_e2e_and_find_the_bottleneck():
@@ -129,6 +130,7 @@ def test_kv_cache_from_log_and_prediction():
            "llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB\n")
     assert T.kv_cache_mib_from_log(log) == pytest.approx(90.0)
     assert math.isnan(T.kv_cache_mib_from_log("nothing here"))
+    assert T.compute_mib_from_log("sched_reserve:        CPU compute buffer size =    15.16 MiB") == pytest.approx(15.16)
     card = SimpleNamespace(kv_bytes_per_token=lambda b: 2 * 30 * 3 * 64 * b, tensor_bytes=100 * 2**20)
     f16 = CP.predicted_kv_mib(card, 4096)
     assert f16 == pytest.approx(2 * 30 * 3 * 64 * 2 * 4096 / 2**20)           # = 90 MiB

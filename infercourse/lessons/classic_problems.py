@@ -31,7 +31,8 @@ __all__ = ["PROBLEMS", "problems_frame", "KV_BYTES", "predicted_kv_mib", "max_co
 # symptom, where to look first, knobs (from llama.cpp's server docs and the course's lessons)
 PROBLEMS = {
     "out of memory": ("the server dies at start or under load; RSS near the limit",
-                      "weights + KV (-c x bytes/token) + compute buffers", "-c, -ctk/-ctv, -np, a smaller quantization"),
+                      "weights + KV (-c x bytes/token) + compute buffers",
+                      "-c, -ctk/-ctv, -np, a smaller quantization"),
     "slow first token": ("TTFT high, decode fine", "queue vs prefill share of TTFT",
                          "-np (queue); -b/-ub, prefix reuse, shorter prompts (prefill)"),
     "low decode throughput": ("tokens/s far under the bandwidth ceiling", "decode share; MBU; threads vs cores",

@@ -34,7 +34,7 @@ from infercourse.measure.importers import load_vllm_bench
 from infercourse.measure.results import Run, compare, differing_conditions, load_run, new_run_dir
 from infercourse.measure.workloads import DATA_DIR, Workload, agentic_workload
 
-__all__ = ["FAIR_KEYS", "LABELLED", "ROUTES", "PEER_FIXTURE", "WARMUP", "agent_calls", "route_status",
+__all__ = ["FAIR_KEYS", "LABELLED", "ROUTES", "PEER_FIXTURE", "WARMUP", "agent_calls", "route_status", "slow_routes",
            "open_route", "measure_routes", "fair_table", "engine_table", "plot_routes", "explain", "peer_run",
            "peer_beside_ours"]
 
@@ -48,36 +48,24 @@ LABELLED = ("fair.quantization", "fair.threads", "fair.context_tokens")
 
 # Static facts per route, from each project's own documentation; `check` is the
 # `doctor.engine_status()` entry that says whether it can run here.
-ROUTES: dict[str, dict[str, str]] = {
-    "llama.cpp in process": {
-        "check": "llamacpp", "api": "Python calls (llama-cpp-python)",
-        "positioning": "the runtime alone, embedded in your own program",
-        "limits": "one request at a time per loaded model; GGUF files only"},
-    "llama-server": {
-        "check": "llama-server", "api": "OpenAI /v1 over HTTP, /metrics, /slots",
-        "positioning": "llama.cpp's own server: one box, CPU/GPU/Metal, edge and dev",
-        "limits": "slots fixed at start (-np) share the context (-c); one model per process"},
-    "transformers": {
-        "check": "transformers", "api": "Python generate()",
-        "positioning": "the reference implementation: research, correctness checks",
-        "limits": "no GGUF kernels (float weights here); no continuous batching in generate()"},
-    "MLX in process": {
-        "check": "mlx", "api": "Python stream_generate (mlx-lm)",
-        "positioning": "Apple's runtime for Apple Silicon (Metal, unified memory)",
-        "limits": "Metal only on macOS; the Linux CPU build is slow; one request at a time"},
-    "mlx_lm.server": {
-        "check": "mlx", "api": "OpenAI /v1 over HTTP",
-        "positioning": "MLX-LM's server for a Mac desktop",
-        "limits": "its docs: not for production (basic security checks only)"},
-    "vLLM CPU": {
-        "check": "vllm", "api": "OpenAI /v1 over HTTP, Prometheus /metrics",
-        "positioning": "high-throughput serving: PagedAttention, continuous batching",
-        "limits": "GPU-first; the CPU build needs its own env, float weights, ~1 min start"},
-    "Ollama": {
-        "check": "ollama", "api": "native /api/* and OpenAI /v1",
-        "positioning": "model manager + server over llama.cpp for a desktop",
-        "limits": "runs models from its own registry (its file, not ours); one box"},
+_FACTS = {  # route: (doctor check, API, positioning, deployment limits)
+    "llama.cpp in process": ("llamacpp", "Python calls (llama-cpp-python)", "the runtime alone, embedded "
+                             "in your own program", "one request at a time per loaded model; GGUF files only"),
+    "llama-server": ("llama-server", "OpenAI /v1 over HTTP, /metrics, /slots", "llama.cpp's own server: one "
+                     "box, CPU/GPU/Metal", "slots fixed at start (-np) share the context (-c); one model"),
+    "transformers": ("transformers", "Python generate()", "the reference implementation: research, checks",
+                     "no GGUF kernels (float weights here); no continuous batching in generate()"),
+    "MLX in process": ("mlx", "Python stream_generate (mlx-lm)", "Apple's runtime for Apple Silicon (Metal, "
+                       "unified memory)", "fast on Metal only; the Linux CPU build is slow; one request at a time"),
+    "mlx_lm.server": ("mlx", "OpenAI /v1 over HTTP", "MLX-LM's server for a Mac desktop",
+                      "its docs: not for production (basic security checks only)"),
+    "vLLM CPU": ("vllm", "OpenAI /v1 over HTTP, Prometheus /metrics", "high-throughput serving: "
+                 "PagedAttention, continuous batching", "GPU-first; the CPU build: own env, float weights, slow start"),
+    "Ollama": ("ollama", "native /api/* and OpenAI /v1", "model manager + server over llama.cpp, desktop",
+               "runs models from its own registry (its file, not ours); one box"),
 }
+ROUTES: dict[str, dict[str, str]] = {n: dict(zip(("check", "api", "positioning", "limits"), f))
+                                     for n, f in _FACTS.items()}
 
 PEER_FIXTURE = DATA_DIR.parent / "tests" / "data" / "vllm_bench_serve_detailed.json"
 # The same short, unrelated request warms every route up: pages weights in, builds kernels,
@@ -96,7 +84,7 @@ def agent_calls(n_calls: int, max_tokens: int) -> Workload:
     wl = agentic_workload()
     reqs = tuple(Request(messages=r.messages, max_tokens=max_tokens, ignore_eos=True)
                  for r in wl.requests[:n_calls])
-    return Workload(f"{wl.name}-first{n_calls}-max{max_tokens}", reqs)
+    return Workload(f"{wl.name}-first{n_calls}-max{max_tokens}", reqs, cache_workload=True)
 
 
 def route_status(names: list[str], status: dict[str, dict[str, Any]] | None = None) -> pd.DataFrame:
@@ -201,13 +189,30 @@ def _row(name: str, run: Run, mem_bytes: float) -> dict[str, Any]:
             "requests": len(df), "prompt_tokens": prompt, "ttft_p50_s": p50("ttft_s"),
             "prefill_tok_per_s": p50("prefill_tok_per_s"), "decode_tok_per_s": p50("decode_tok_per_s"),
             "e2e_p50_s": p50("e2e_s"), "memory_mb": mem_bytes / 1e6,
-            "cache_hit": float(ok["cached_tokens"].fillna(0).sum()) / prompt if prompt else float("nan"),
+            # NaN, not 0, when the route reports no cached count (vLLM without its usage detail)
+            "cache_hit": float(ok["cached_tokens"].sum()) / prompt if prompt and ok["cached_tokens"].notna().any()
+            else float("nan"),
             "error_rate": summary.error_rate(df)}
 
 
+def slow_routes() -> dict[str, str]:
+    """Routes that can run on this machine but far too slowly for a notebook's time
+    budget, and why (MLX off Apple Silicon, vLLM's CPU build off an NVIDIA box)."""
+    import platform
+    import shutil
+    import sys
+    out = {}
+    if not (sys.platform == "darwin" and platform.machine() == "arm64"):
+        why = "MLX's Linux CPU backend: one agent call's prefill alone outlasts this notebook's budget"
+        out.update({"MLX in process": why, "mlx_lm.server": why})
+    if shutil.which("nvidia-smi") is None:
+        out["vLLM CPU"] = "vLLM's CPU build takes minutes to start (load, profiling, warm-up)"
+    return out
+
+
 def measure_routes(names: list[str], workload: Workload, *, threads: int, ctx_size: int,
-                   results_root: str | Path | None = None, status: dict | None = None
-                   ) -> tuple[pd.DataFrame, dict[str, Run]]:
+                   results_root: str | Path | None = None, status: dict | None = None,
+                   skip: dict[str, str] | None = None) -> tuple[pd.DataFrame, dict[str, Run]]:
     """Every route in turn under the same conditions: warm-up, then the workload once,
     sequentially (in-process engines serve one request at a time, so servers do too).
 
@@ -220,19 +225,21 @@ def measure_routes(names: list[str], workload: Workload, *, threads: int, ctx_si
         threads, ctx_size: as `open_route`.
         results_root: parent folder for one run folder per route (None: bench's default).
         status: `doctor.engine_status()` (None: asked now).
+        skip: {route: reason} not to run even if usable (e.g. `slow_routes()`).
     """
-    here = route_status(names, status)
+    here, skip = route_status(names, status), skip or {}
     rows, runs = [], {}
     for name in names:
-        if not here.loc[name, "here"]:
-            rows.append({"route": name, "ran": False, "why": here.loc[name, "why"]})
+        if not here.loc[name, "here"] or name in skip:
+            why = here.loc[name, "why"] if not here.loc[name, "here"] else f"skipped: {skip[name]}"
+            rows.append({"route": name, "ran": False, "why": why})
             continue
         try:
             with open_route(name, threads=threads, ctx_size=ctx_size) as (engine, fair, mem):
                 record(engine, WARMUP, raise_errors=True)
                 res = bench.run(engine, workload, pattern="sequential", warmup=0, label=name,
                                 out_dir=new_run_dir(results_root, name.replace(" ", "_").replace("/", "_")),
-                                progress=False, conditions={"fair": fair})
+                                progress=False, conditions={"fair": fair}, salt=False)  # same prompts everywhere
                 mem_bytes = mem()
             runs[name] = load_run(res.dir)
             rows.append(_row(name, runs[name], mem_bytes))

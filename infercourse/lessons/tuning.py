@@ -37,7 +37,8 @@ from infercourse.measure import bench
 from infercourse.measure.results import new_run_dir
 
 __all__ = ["ServerConfig", "serve_and_measure", "tuning_workloads", "stage_shares", "bottleneck", "ADVICE",
-           "TARGETS", "predicted_queue_share", "plot_stages", "decide", "TuningLog", "kv_cache_mib_from_log"]
+           "TARGETS", "predicted_queue_share", "plot_stages", "decide", "TuningLog", "kv_cache_mib_from_log",
+           "compute_mib_from_log"]
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,9 @@ class ServerConfig:
 
     def server(self, model=None):
         from infercourse.servers import LlamaServer
+        # -lv 4: this llama-server build logs its KV and compute buffer sizes only above default verbosity
         extra = ["-b", self.batch, "-ub", self.ubatch, "-ctk", self.cache_type_k,
-                 "--cache-reuse", self.cache_reuse]
+                 "--cache-reuse", self.cache_reuse, "-lv", 4]
         return LlamaServer(model, n_parallel=self.n_parallel, ctx_size=self.ctx_per_slot * self.n_parallel,
                            threads=self.threads, extra_args=[str(a) for a in extra])
 
@@ -103,7 +105,8 @@ def serve_and_measure(config: ServerConfig, workloads: dict[str, Any], *, result
             out["rss_mb"] = psutil.Process(srv.pid).memory_info().rss / 1e6
         except (psutil.Error, TypeError, ValueError):
             out["rss_mb"] = math.nan
-        out["kv_cache_mib"] = kv_cache_mib_from_log(srv.log_path.read_text(errors="replace"))
+        text = srv.log_path.read_text(errors="replace")
+        out["kv_cache_mib"], out["compute_mib"] = kv_cache_mib_from_log(text), compute_mib_from_log(text)
     return out
 
 
@@ -348,4 +351,10 @@ def kv_cache_mib_from_log(text: str) -> float:
     """KV-cache MiB llama-server allocated, summed over its `llama_kv_cache: size = ...`
     log lines (NaN if the build logs none)."""
     found = [float(x) for x in _KV_RE.findall(text)]
+    return float(sum(found)) if found else math.nan
+
+
+def compute_mib_from_log(text: str) -> float:
+    """Compute-buffer MiB (scratch for one forward pass; grows with -ub), NaN if not logged."""
+    found = [float(x) for x in re.findall(r"compute buffer size\s*=\s*([\d.]+)\s*MiB", text)]
     return float(sum(found)) if found else math.nan
