@@ -74,7 +74,8 @@ def predict_memory(card: Any, ctx_size: int, kv_type: str = "f16") -> dict[str, 
 
 def _llama(model, ctx: int, n_parallel: int = 1, threads: int | None = None, extra: Sequence[str] = ()):
     from infercourse.servers import LlamaServer
-    return LlamaServer(model, n_parallel=n_parallel, ctx_size=ctx, threads=threads, extra_args=extra)
+    # -lv 4: this build logs its buffer sizes (model, KV, compute) only above the default verbosity
+    return LlamaServer(model, n_parallel=n_parallel, ctx_size=ctx, threads=threads, extra_args=["-lv", "4", *extra])
 
 
 def measure_server(model=None, ctx_size: int = 2048, n_parallel: int = 1, *, threads: int | None = None,
@@ -91,8 +92,8 @@ def measure_server(model=None, ctx_size: int = 2048, n_parallel: int = 1, *, thr
         time.sleep(0.2)                  # let the kernel account the pages just touched
         rss = process_rss_mib(srv.pid)
         log = srv.log_path.read_text(errors="replace")
-    return {"ctx_size": ctx_size, "n_parallel": n_parallel, "rss_mib": rss, **log_buffers(log),
-            "flags": " ".join(extra_args)}
+    return {"ctx_size": ctx_size, "n_parallel": n_parallel, "rss_mib": rss, "kv_cells": None,
+            **log_buffers(log), "flags": " ".join(extra_args)}
 
 
 def rss_line(points: pd.DataFrame) -> dict[str, float]:
@@ -126,7 +127,7 @@ def kv_type_nll(model=None, kv_type: str = "f16", *, text: str | None = None, n_
     """
     import llama_cpp
     ggml = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
-    text = text or eval_text()[:3000]
+    text = text or eval_text()[:1500]     # ~300 tokens: enough to see the cache type, cheap to score
     llm = llama_cpp.Llama(model_path=str(resolve_model(model).path), n_ctx=1024, n_batch=1024,
                           n_threads=n_threads, logits_all=True, type_k=ggml[kv_type], type_v=ggml[kv_type],
                           flash_attn=True, verbose=False)
