@@ -53,8 +53,10 @@ def drift_verdict(summary: dict[str, Any], duration_s: float) -> str:
     verdict = ("memory grows: the interval excludes zero" if lo > 0 else
                "memory shrinks: the interval excludes zero" if hi < 0 else
                "no drift detectable: the interval includes zero")
+    short = (" A soak this short mostly sees warm-up (buffers and caches filling on the first requests),"
+             " so growth here is not yet a leak: run it longer." if duration_s < 600 and lo > 0 else "")
     return (f"RSS drift {s:+.1f} MiB/h (95% interval {lo:+.1f} to {hi:+.1f}) over {duration_s / 60:.1f} min: "
-            f"{verdict}. Over 24 h that interval spans {lo * 24:+.0f} to {hi * 24:+.0f} MiB.")
+            f"{verdict}. Over 24 h that interval spans {lo * 24:+.0f} to {hi * 24:+.0f} MiB.{short}")
 
 
 def plot_soak(result, *, axes=None):
@@ -67,7 +69,8 @@ def plot_soak(result, *, axes=None):
     smp, df = result.samples, request_times(result)
     restarts = [e["t_s"] for e in result.events if e["event"] == "restart"]
     if len(smp):
-        for pid, g in smp.dropna(subset=["rss_mib"]).groupby("pid"):
+        up = smp[smp["up"].fillna(False).astype(bool)] if "up" in smp else smp
+        for pid, g in up.dropna(subset=["rss_mib"]).groupby("pid"):
             ax[0].plot(g["t_s"], g["rss_mib"], marker=".", ms=3, label=f"server pid {int(pid)}")
             d = drift(g["t_s"], g["rss_mib"])
             if np.isfinite(d["slope_per_s"]):

@@ -206,6 +206,8 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
     t0 = sampler.t0 = time.perf_counter()
     writer.manifest["soak"]["t0_perf_counter"] = t0
     if sup:                                  # events, samples and requests: one clock
+        for e in sup.events:                 # the start before the soak: negative times
+            e["t_s"] -= t0 - sup.t0
         sup.t0 = t0
         sup._event("soak_start", pid=server.pid, port=server.port)
     killers = [threading.Timer(k, kill_server, (server,)) for k in kill_at_s if sup]
@@ -298,7 +300,9 @@ def soak_summary(df: pd.DataFrame, samples: pd.DataFrame, events: list[dict],
         if len(samples) and col in samples:
             out[name] = float(pd.to_numeric(samples[col], errors="coerce").max())
     if len(samples) and "rss_mib" in samples and "pid" in samples:
-        life = samples.dropna(subset=["rss_mib"]).groupby("pid")
+        # only while the server answered: a dying or loading process is not a drift
+        healthy = samples[samples["up"].fillna(False).astype(bool)] if "up" in samples else samples
+        life = healthy.dropna(subset=["rss_mib"]).groupby("pid")
         if len(life):
             longest = max(life, key=lambda g: len(g[1]))[1]
             d = drift(longest["t_s"], longest["rss_mib"])
