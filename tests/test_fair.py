@@ -10,15 +10,15 @@ from infercourse.lessons import fair
 from infercourse.measure import results as R
 
 
-def _run(path, label, *, quant="Q4_1", threads=1, cpu="cpu-A", ttft=0.1, **extra):
+def _run(path, label, *, quant="Q4_1", threads=1, cpu="cpu-A", ttft=0.1, ttfts=None, **extra):
     manifest = {"label": label, "engine": {"engine": label}, "model": "m", "sampling": {"max_tokens": 4},
                 "load": {"pattern": "sequential", "concurrency": 1, "max_requests": 3, "max_duration_s": None},
                 "workload": {"sha256": "w1"}, "hardware": {"cpu": cpu},
                 "fair": {"weights": "W", "quantization": quant, "threads": threads, "context_tokens": 2048}, **extra}
     with R.RunWriter(path, manifest) as w:
-        for i in range(3):
-            w.write(RequestTrace(request_id=i, scheduled_t=0.0, sent_t=0.0, chunk_t=[ttft, ttft + 0.05],
-                                 chunk_tokens=[1, 1], end_t=ttft + 0.05, prompt_tokens=10,
+        for i, t in enumerate(ttfts or [ttft] * 3):
+            w.write(RequestTrace(request_id=i, scheduled_t=0.0, sent_t=0.0, chunk_t=[t, t + 0.05],
+                                 chunk_tokens=[1, 1], end_t=t + 0.05, prompt_tokens=10,
                                  completion_tokens=2, cached_tokens=4))
     return R.load_run(path)
 
@@ -111,3 +111,16 @@ def test_llamacpp_route_measures_every_column(tmp_path):
     assert row["requests"] == 2 and row["memory_mb"] > 0
     assert 0 < row["cache_hit"] < 1        # call 2 extends call 1: its prefix is reused
     assert runs["llama.cpp in process"].manifest["fair"]["threads"] == 1
+
+
+def test_explain_pairs_calls_and_calls_noise_noise(tmp_path):
+    base = _run(tmp_path / "a", "llama.cpp in process", ttfts=[0.10, 0.20, 0.30])
+    slower = _run(tmp_path / "b", "llama-server", ttfts=[0.11, 0.22, 0.31])
+    noisy = _run(tmp_path / "c", "llama-server", ttfts=[0.05, 0.25, 0.30])
+    rows = pd.DataFrame({"ran": [True, True], "decode_tok_per_s": [20.0, 19.0], "quantization": ["Q4_1"] * 2,
+                         "cache_hit": [0.5, 0.5], "memory_mb": [100.0, 120.0], "why": ["", ""]},
+                        index=["llama.cpp in process", "llama-server"])
+    text = fair.explain(rows, {"llama.cpp in process": base, "llama-server": slower}, 5.0)
+    assert "adds +10 ms to TTFT (every call: +10 to +20 ms)" in text
+    text = fair.explain(rows, {"llama.cpp in process": base, "llama-server": noisy}, 5.0)
+    assert "nothing we can separate from this machine's noise (per call: -50 to +50 ms)" in text

@@ -192,3 +192,14 @@ def test_predicted_queue_share_by_hand():
     assert T.predicted_queue_share(1, 8) == 0
     assert T.predicted_queue_share(4, 4) == pytest.approx(6 / 10)
     assert set(T.TARGETS) <= set(T.ServerConfig.__dataclass_fields__)
+
+
+def test_tail_table_predicts_the_cap_from_medians():
+    traces = [_trace(i, queue=0.0, prefill=0.2, decode=0.4, n=5) for i in range(6)]
+    from infercourse.core.metrics import per_request_frame
+    run = SimpleNamespace(df=per_request_frame(traces), manifest={"sampling": {"max_tokens": 5}})
+    empty = SimpleNamespace(df=per_request_frame([]), manifest={"sampling": {"max_tokens": 5}})
+    t = T.tail_table({"a": run, "nothing": empty})
+    assert list(t.index) == ["a"]
+    assert t.loc["a", "tpot_p50_s"] == pytest.approx(0.1)          # 0.4 s over 4 gaps
+    assert t.loc["a", "e2e_at_cap_s"] == pytest.approx(0.2 + 4 * 0.1) == t.loc["a", "e2e_p50_s"]

@@ -37,7 +37,7 @@ from infercourse.measure import bench
 from infercourse.measure.results import new_run_dir
 
 __all__ = ["ServerConfig", "serve_and_measure", "tuning_workloads", "stage_shares", "bottleneck", "ADVICE",
-           "TARGETS", "predicted_queue_share", "plot_stages", "decide", "TuningLog", "kv_cache_mib_from_log",
+           "TARGETS", "predicted_queue_share", "plot_stages", "tail_table", "decide", "TuningLog", "kv_cache_mib_from_log",
            "compute_mib_from_log"]
 
 
@@ -253,6 +253,22 @@ def _target(session: dict[str, Any], target: str):
     if target not in session:
         raise ValueError(f"session has no scalar {target!r}")
     return float(session[target]), None
+
+
+def tail_table(runs: dict[str, Any]) -> pd.DataFrame:
+    """max_tokens against the tail: per run, TTFT/TPOT/E2E medians, E2E p95 (a point
+    estimate with few requests) and the E2E a request at the cap should take,
+    TTFT + (max_tokens - 1) x TPOT, from the medians."""
+    rows = {}
+    for name, r in runs.items():
+        s = summary.summarize(r.df, ["ttft_s", "tpot_s", "e2e_s"])
+        if "p50" not in s:
+            continue                      # nothing finished: no latency to show
+        m = r.manifest["sampling"]["max_tokens"]
+        rows[name] = {"max_tokens": m, "ttft_p50_s": s.loc["ttft_s", "p50"], "tpot_p50_s": s.loc["tpot_s", "p50"],
+                      "e2e_p50_s": s.loc["e2e_s", "p50"], "e2e_p95_s": s.loc["e2e_s", "p95"],
+                      "e2e_at_cap_s": s.loc["ttft_s", "p50"] + (m - 1) * s.loc["tpot_s", "p50"]}
+    return pd.DataFrame(rows).T
 
 
 class TuningLog:
