@@ -88,6 +88,13 @@ def test_mix_interleaves_short_chats():
         soak.soak_workload("chaos")
 
 
+def test_soak_refuses_a_remote_server(tmp_path):
+    from infercourse.core.errors import APILayerError
+    with pytest.raises(APILayerError, match="loopback"):
+        soak.soak("http://10.1.2.3:8000", duration_s=1, out_dir=tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()                                 # refused before anything ran
+
+
 def test_soak_cli_help(capsys):
     with pytest.raises(SystemExit) as e:
         soak.soak_main(["--help"])

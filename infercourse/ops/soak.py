@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from infercourse.core import summary
+from infercourse.core.errors import APILayerError
 from infercourse.core.types import Request
 from infercourse.measure.loadgen import State, loop_in_thread, poisson_schedule, run_async, server_address
 from infercourse.measure.results import RunWriter, load_run
@@ -169,6 +170,10 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
     if sup and not server.running:
         sup.start()
     url = server if isinstance(server, str) else server.url
+    host = (server_address(OpenAIHTTPEngine(url, model="-")) or ("",))[0]
+    if host not in ("127.0.0.1", "localhost", "::1"):      # load tests stay on this machine
+        raise APILayerError(f"soak targets loopback servers only, got {host}",
+                            hint="run the soak on the server's own machine")
     engine = OpenAIHTTPEngine(url, model=None if isinstance(server, str) else server.served_model)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
     out = Path(out_dir) if out_dir else cache_dir() / "runs" / f"{stamp}_{label or 'soak'}"
