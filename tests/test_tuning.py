@@ -117,6 +117,7 @@ def test_tuning_workloads_are_the_same_requests_every_time():
     users, kw = w["users"]
     assert len(users) == 3 and kw == {"pattern": "concurrency", "concurrency": 2}
     assert len({u.messages[0]["content"] for u in users}) == 3 and users[0].max_tokens == 5
+    assert not any(u.cache_prompt for u in users)          # every users' prompt prefilled in full
     (first, second), kw = w["shift"]
     assert kw["warmup"] == 0
     doc2 = second.messages[0]["content"].split("\n\n")[0]
@@ -199,7 +200,7 @@ def test_tail_table_predicts_the_cap_from_medians():
     from infercourse.core.metrics import per_request_frame
     run = SimpleNamespace(df=per_request_frame(traces), manifest={"sampling": {"max_tokens": 5}})
     empty = SimpleNamespace(df=per_request_frame([]), manifest={"sampling": {"max_tokens": 5}})
-    t = T.tail_table({"a": run, "nothing": empty})
+    t = CP.tail_table({"a": run, "nothing": empty})
     assert list(t.index) == ["a"]
     assert t.loc["a", "tpot_p50_s"] == pytest.approx(0.1)          # 0.4 s over 4 gaps
     assert t.loc["a", "e2e_at_cap_s"] == pytest.approx(0.2 + 4 * 0.1) == t.loc["a", "e2e_p50_s"]

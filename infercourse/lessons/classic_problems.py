@@ -26,7 +26,7 @@ from infercourse.core import summary
 from infercourse.core.types import Request
 
 __all__ = ["PROBLEMS", "problems_frame", "KV_BYTES", "predicted_kv_mib", "max_context_tokens",
-           "quality_drop", "production_workloads", "overflow_request", "p95_over_p50"]
+           "quality_drop", "production_workloads", "overflow_request", "p95_over_p50", "tail_table"]
 
 # symptom, where to look first, knobs (from llama.cpp's server docs and the course's lessons)
 PROBLEMS = {
@@ -150,3 +150,19 @@ def p95_over_p50(df: pd.DataFrame, metric: str = "ttft_s") -> float:
     interval for p95, so read it as a symptom, not a measurement)."""
     s = summary.summarize(df, [metric]).loc[metric]
     return float(s["p95"] / s["p50"])
+
+
+def tail_table(runs: dict[str, Any]) -> pd.DataFrame:
+    """max_tokens against the tail: per run, TTFT/TPOT/E2E medians, E2E p95 (a point
+    estimate with few requests) and the E2E a request at the cap should take,
+    TTFT + (max_tokens - 1) x TPOT, from the medians."""
+    rows = {}
+    for name, r in runs.items():
+        s = summary.summarize(r.df, ["ttft_s", "tpot_s", "e2e_s"])
+        if "p50" not in s:
+            continue                      # nothing finished: no latency to show
+        m = r.manifest["sampling"]["max_tokens"]
+        rows[name] = {"max_tokens": m, "ttft_p50_s": s.loc["ttft_s", "p50"], "tpot_p50_s": s.loc["tpot_s", "p50"],
+                      "e2e_p50_s": s.loc["e2e_s", "p50"], "e2e_p95_s": s.loc["e2e_s", "p95"],
+                      "e2e_at_cap_s": s.loc["ttft_s", "p50"] + (m - 1) * s.loc["tpot_s", "p50"]}
+    return pd.DataFrame(rows).T

@@ -8,7 +8,7 @@ move by tens of percent on their own. The discipline:
    (the server's own `timings.prompt_ms`) and **decode** (first token to last)?
 2. Change exactly one knob aimed at the biggest share.
 3. Measure the same workload again and compare a percentile *with its interval*: keep the
-   change only if the whole bootstrap interval moved the right way; otherwise revert.
+   change only if the whole interval moved the right way; otherwise revert.
 4. Write down what was tried, the numbers and why it was kept or reverted (`TuningLog`,
    an append-only `log.jsonl` beside each trial's run folder with its conditions).
 
@@ -37,7 +37,7 @@ from infercourse.measure import bench
 from infercourse.measure.results import new_run_dir
 
 __all__ = ["ServerConfig", "serve_and_measure", "tuning_workloads", "stage_shares", "bottleneck", "ADVICE",
-           "TARGETS", "predicted_queue_share", "plot_stages", "tail_table", "decide", "TuningLog", "kv_cache_mib_from_log",
+           "TARGETS", "predicted_queue_share", "plot_stages", "decide", "TuningLog", "kv_cache_mib_from_log",
            "compute_mib_from_log"]
 
 
@@ -114,7 +114,8 @@ def tuning_workloads(tokenize, *, n_requests: int, concurrency: int, prompt_toke
                      max_tokens: int, long_tokens: int) -> dict[str, tuple[list[Request], dict]]:
     """The workloads every trial runs, so before and after are always the same requests.
 
-    - `users`: `n_requests` distinct prompts of `prompt_tokens`, `concurrency` users at once.
+    - `users`: `n_requests` distinct prompts of `prompt_tokens`, `concurrency` users at once,
+      with the prompt cache off (`cache_prompt=False`): every prompt is prefilled in full.
     - `shift`: two requests one after the other: [doc1, doc2, question], then [doc2,
       question] (an agent that dropped an old tool result): doc2's KV is still cached, but
       at another position, which only `--cache-reuse` can use; the first one is also a
@@ -124,9 +125,9 @@ def tuning_workloads(tokenize, *, n_requests: int, concurrency: int, prompt_toke
         tokenize: the model's tokenizer (exact-length prompts).
     """
     from infercourse.measure.workloads import exact_length_prompt
-    chat = lambda text, n: Request(messages=[{"role": "user", "content": text}],  # noqa: E731
-                                   max_tokens=n, ignore_eos=True)
-    users = [chat(exact_length_prompt(prompt_tokens, tokenize, seed=i), max_tokens) for i in range(n_requests)]
+    chat = lambda text, n, cache=True: Request(messages=[{"role": "user", "content": text}],  # noqa: E731
+                                               max_tokens=n, ignore_eos=True, cache_prompt=cache)
+    users = [chat(exact_length_prompt(prompt_tokens, tokenize, seed=i), max_tokens, False) for i in range(n_requests)]
     doc1, doc2 = (exact_length_prompt(long_tokens // 2, tokenize, seed=s) for s in (1001, 1002))
     ask = "\n\nWhich of these words is the longest?"
     shift = [chat(f"{doc1}\n\n{doc2}{ask}", 4), chat(f"{doc2}{ask}", 4)]
@@ -253,22 +254,6 @@ def _target(session: dict[str, Any], target: str):
     if target not in session:
         raise ValueError(f"session has no scalar {target!r}")
     return float(session[target]), None
-
-
-def tail_table(runs: dict[str, Any]) -> pd.DataFrame:
-    """max_tokens against the tail: per run, TTFT/TPOT/E2E medians, E2E p95 (a point
-    estimate with few requests) and the E2E a request at the cap should take,
-    TTFT + (max_tokens - 1) x TPOT, from the medians."""
-    rows = {}
-    for name, r in runs.items():
-        s = summary.summarize(r.df, ["ttft_s", "tpot_s", "e2e_s"])
-        if "p50" not in s:
-            continue                      # nothing finished: no latency to show
-        m = r.manifest["sampling"]["max_tokens"]
-        rows[name] = {"max_tokens": m, "ttft_p50_s": s.loc["ttft_s", "p50"], "tpot_p50_s": s.loc["tpot_s", "p50"],
-                      "e2e_p50_s": s.loc["e2e_s", "p50"], "e2e_p95_s": s.loc["e2e_s", "p95"],
-                      "e2e_at_cap_s": s.loc["ttft_s", "p50"] + (m - 1) * s.loc["tpot_s", "p50"]}
-    return pd.DataFrame(rows).T
 
 
 class TuningLog:
