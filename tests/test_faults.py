@@ -68,3 +68,13 @@ def test_start_fault_is_named_and_leaves_no_server(name):
     print(r.row())
     assert r.named == FAULTS[name].layer, str(r.report)
     assert _servers_of_ours() <= before
+
+
+def test_cli_lists_every_fault_with_its_layer():
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "infercourse", "faults", "list", "--json"], capture_output=True,
+                         text=True, timeout=120)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert out.returncode == 0 and {r["fault"]: r["layer"] for r in rows} == {n: f.layer for n, f in FAULTS.items()}

@@ -72,11 +72,11 @@ def routes(stack: contextlib.ExitStack, *, threads: int = 1, ctx_size: int = 409
     else:
         from infercourse.servers.mlx import MLXServer
         srv = stack.enter_context(MLXServer(mlx_model))
-        out.append(Route("B", "mlx_lm.server", srv.engine(timeout=30), srv))
+        out.append(Route("B", "mlx_lm.server", srv.engine(timeout=60), srv))
     try:
         from infercourse.ops.faults import small_server
         srv = stack.enter_context(small_server(threads=threads, n_parallel=1, ctx_size=ctx_size))
-        out.append(Route("C", "llama-server", srv.engine(timeout=15), srv))
+        out.append(Route("C", "llama-server", srv.engine(timeout=60), srv))
     except InferCourseError as e:
         out.append(Route("C", "llama-server", skipped=str(e)))
     from infercourse.engines.llamacpp import LlamaCppEngine
@@ -149,7 +149,8 @@ def run_incident(rs: list[Route], seed: int, n_calls: int, max_tokens: int, out_
     inc, frames = Incident(seed, fault, target.key), []
     longest = "\n".join(m["content"] for m in _calls(n_calls, max_tokens).requests[-1].messages)
     for r in live:
-        with inject(fault, r.server, seconds=10) if r is target else contextlib.nullcontext() as f:
+        # the fault lasts the whole replay (a slow CPU included), but never more than 45 s
+        with inject(fault, r.server, seconds=45) if r is target else contextlib.nullcontext() as f:
             url = f.url if f is not None else r.url
             # the on-call snapshot first, while the fault is surely in place; then the session
             inc.snapshots[r.key] = (doctor_layers(url, server=r.server, prompt=longest, max_tokens=max_tokens,

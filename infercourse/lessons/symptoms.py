@@ -60,7 +60,7 @@ class SymptomRow:
                 "seconds": round(self.seconds, 1)}
 
 
-def context_growth(server, lengths=(64, 256, 448)) -> tuple[str, str, dict]:
+def context_growth(server, lengths=(32, 128, 320)) -> tuple[str, str, dict]:
     """TTFT of prompts growing like an agent's history (no prefix reuse): (layer, evidence, values)."""
     engine, ttft = server.engine(timeout=60), []
     for n in lengths:
@@ -118,8 +118,8 @@ def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float =
             r = run_fault(how, server, seconds=seconds, timeout_s=timeout_s)
             hit = r.report.failed or next((c for c in r.report.checks if c.status == "warn"), None)
             row.layer, row.values = r.named, {"doctor_s": r.doctor_s, "client_error": r.client_error}
-            row.evidence = (f"client: {r.client_error or 'no error, slow'} | doctor: "
-                            f"{hit.summary if hit else 'nothing'}")
+            client = (r.client_error or "no error, only slow").split(" (API layer)")[0][:120]
+            row.evidence = f"client: {client} | doctor: {(hit.summary if hit else 'nothing')[:160]}"
         else:
             row.layer, row.evidence, row.values = {"context_growth": context_growth,
                                                    "cpu_contention": cpu_contention}[how](server)

@@ -116,6 +116,7 @@ class FaultProxy:
 
         def run() -> None:
             self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)   # this thread's loop (gather() at shutdown looks it up)
             server = self._loop.run_until_complete(asyncio.start_server(self._handle, HOST, self.port))
             ready.set()
             try:
