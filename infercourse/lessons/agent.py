@@ -139,7 +139,8 @@ def replay_prefill(engine, session: dict, n_calls: int, *, cache_prompt: bool, m
     if hasattr(engine, "reset"):
         engine.reset()
     label = f"agent-replay-{'cache' if cache_prompt else 'nocache'}-{n_calls}"
-    res = run(engine, reqs, pattern="sequential", warmup=0, progress=False, label=label,
+    # no salt: both settings must send the same tokens; the reset above makes call 0 cold
+    res = run(engine, reqs, pattern="sequential", warmup=0, progress=False, label=label, salt=False,
               out_dir=new_run_dir(results_root, label),
               conditions={"session": session.get("name"), "cache_prompt": cache_prompt})
     df = res.df.copy()
