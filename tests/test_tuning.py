@@ -159,6 +159,7 @@ def test_production_workloads_and_overflow():
     assert w["production"][1] == {"pattern": "poisson", "rate_rps": 1.0, "seed": 3}
     with pytest.raises(ValueError):
         CP.production_workloads(users, 0.0)
+    assert CP.production_workloads(users, 2.0, n_local=2)["local"][0] == users[:2]
     tok = lambda text: text.split()          # noqa: E731
     r = CP.overflow_request(tok, 100, extra=10)
     assert len(tok(r.messages[0]["content"])) == 110

@@ -121,7 +121,7 @@ def quality_drop(qtype: str = "Q2_K", *, words: int = 150, n_threads: int = 1) -
 
 
 def production_workloads(users: list[Request], capacity_rps: float, *, load: float = 0.7,
-                         seed: int = 0) -> dict[str, tuple[list[Request], dict]]:
+                         seed: int = 0, n_local: int | None = None) -> dict[str, tuple[list[Request], dict]]:
     """The same requests sent two ways: one user at a time ("local": how a developer
     tests) and as independent arrivals at `load` x the measured capacity ("production").
 
@@ -130,10 +130,11 @@ def production_workloads(users: list[Request], capacity_rps: float, *, load: flo
         capacity_rps: completed requests per second the server sustained under load.
         load: fraction of capacity the Poisson arrivals average (below 1: it *can* keep up).
         seed: the arrival schedule's seed.
+        n_local: requests in the one-user run (None: all; a few give its median).
     """
     if not capacity_rps > 0 or not 0 < load:
         raise ValueError(f"need capacity_rps > 0 and load > 0, got {capacity_rps}, {load}")
-    return {"local": (users, {"pattern": "sequential"}),
+    return {"local": (users[:n_local], {"pattern": "sequential"}),
             "production": (users, {"pattern": "poisson", "rate_rps": load * capacity_rps, "seed": seed})}
 
 
