@@ -90,3 +90,40 @@ def test_timeseries_marks_errors_and_memory():
     assert len(pts.get_xdata()) == 11 and len(errs.get_xdata()) == 1
     assert "(s)" in ax.get_xlabel() and "(ms)" in ax.get_ylabel()
     assert any("(GB)" in a.get_ylabel() for a in ax.figure.axes)
+
+
+# ---- notebook 09 -------------------------------------------------------------------------
+def test_latency_anatomy_marks_each_metric():
+    tr = RequestTrace(request_id=3, scheduled_t=0.0, sent_t=0.1, chunk_t=[0.5, 0.6, 0.9, 1.0],
+                      chunk_tokens=[1, 1, 1, 1], end_t=1.0, completion_tokens=4)
+    ax = plots.latency_anatomy(tr)
+    x, y = ax.lines[0].get_data()
+    assert x[1] == pytest.approx(500.0) and list(y) == [0, 1, 2, 3, 4]     # ms since scheduled
+    labels = " ".join(ax.get_legend_handles_labels()[1])
+    assert "TTFT 500 ms" in labels and "E2E 1000 ms" in labels and "TPOT 166.7 ms" in labels
+    assert any("longest ITL 300.0 ms" in t.get_text() for t in ax.texts)
+    assert "(ms)" in ax.get_xlabel()
+
+
+def test_mean_vs_percentiles_draws_mean_apart_from_median():
+    x = np.r_[np.full(98, 0.010), 1.0, 1.0]                  # two stalls drag the mean
+    ax = plots.mean_vs_percentiles(x, label="ITL")
+    vals = {ln.get_label().split()[0]: ln.get_xdata()[0] for ln in ax.lines}
+    assert vals["mean"] == pytest.approx(x.mean() * 1000) and vals["p50"] == pytest.approx(10.0)
+    assert vals["mean"] > 2 * vals["p50"] and ax.get_xscale() == "log" and "(ms" in ax.get_xlabel()
+
+
+def test_schedule_vs_send_and_client_vs_server():
+    trs = [RequestTrace(request_id=i, scheduled_t=0.1 * i, sent_t=0.3 * i, chunk_t=[0.3 * i + 0.05],
+                        chunk_tokens=[1], end_t=0.3 * i + 0.1) for i in range(5)]
+    df = metrics.per_request_frame(trs)
+    ax = plots.schedule_vs_send(df, "ttft", reference_s=0.05)
+    sched, sent = ax.lines[0].get_ydata(), ax.lines[1].get_ydata()
+    assert sent == pytest.approx([50.0] * 5) and sched[-1] == pytest.approx(50 + 800)
+    assert ax.lines[2].get_ydata()[0] == pytest.approx(50.0) and "(ms)" in ax.get_ylabel()
+    rec = pd.DataFrame({"quantity": ["prefill_s", "decode_s", "decode_tokens"], "client": [0.5, 0.4, 5],
+                        "engine": [0.45, 0.38, 5]})
+    ax = plots.client_vs_server(rec)
+    assert _n_points(ax) == 2 and "(ms)" in ax.get_xlabel()
+    line = ax.lines[0]
+    assert line.get_xdata()[-1] == line.get_ydata()[-1]           # the y = x reference

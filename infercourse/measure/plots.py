@@ -15,7 +15,9 @@ from infercourse.core import metrics
 from infercourse.core.trace import RequestTrace
 
 __all__ = ["token_timeline", "ttft_vs_prompt", "decode_vs_context", "latency_cdf",
-           "throughput_vs_latency", "cache_hit_vs_ttft", "quant_tradeoff", "timeseries"]
+           "throughput_vs_latency", "cache_hit_vs_ttft", "quant_tradeoff", "timeseries",
+           "engine_speeds", "latency_anatomy", "mean_vs_percentiles", "schedule_vs_send",
+           "client_vs_server"]
 
 MS = 1000.0
 
@@ -192,4 +194,86 @@ def engine_speeds(df: pd.DataFrame, ceiling: float | None = None, ax=None):
         ax.legend(loc="lower right")
     ax.set_xlabel("decode speed (tok/s)")
     ax.set_title("Same model, same prompt: decode speed per engine")
+    return ax
+
+
+# ---- notebook 09: what "fast" means ------------------------------------------------------
+def latency_anatomy(trace: RequestTrace, ax=None):
+    """One request's metrics drawn on its token timeline (ms since the scheduled send):
+    TTFT as the shaded wait, one ITL gap, TPOT as the slope of the decode line, E2E."""
+    ax = _ax(ax)
+    idx = metrics.token_chunks(trace)
+    t = np.array([(trace.chunk_t[i] - trace.scheduled_t) * MS for i in idx])
+    y = np.cumsum([trace.chunk_tokens[i] or 1 for i in idx])
+    ax.step(np.r_[0.0, t], np.r_[0, y], where="post", lw=1.2, label="tokens received")
+    ttft, e2e, tpot = metrics.ttft_s(trace), metrics.e2e_s(trace), metrics.tpot_s(trace)
+    ax.axvspan(0, ttft * MS, alpha=0.15, color="tab:orange", label=f"TTFT {ttft * MS:.0f} ms")
+    if tpot:
+        ax.plot([t[0], e2e * MS], [y[0], y[-1]], "k--", lw=1,
+                label=f"TPOT {tpot * MS:.1f} ms/token (slope)")
+    if len(t) > 2:
+        g = int(np.argmax(np.diff(t)))
+        ax.annotate("", (t[g + 1], y[g]), (t[g], y[g]), arrowprops={"arrowstyle": "<->", "color": "tab:red"})
+        ax.text(t[g + 1], y[g], f" longest ITL {t[g + 1] - t[g]:.1f} ms", color="tab:red", va="top", fontsize=8)
+    ax.axvline(e2e * MS, c="gray", ls=":", label=f"E2E {e2e * MS:.0f} ms")
+    ax.set(xlabel="time since scheduled send (ms)", ylabel="cumulative output tokens",
+           title=f"Anatomy of request {trace.request_id}")
+    ax.set_xlim(left=0)
+    ax.legend(loc="upper left", fontsize=8)
+    return ax
+
+
+def mean_vs_percentiles(values, label: str = "ITL", ax=None, bins: int = 40):
+    """Histogram of a latency (ms, log-spaced bins) with the mean and p50/p95/p99 drawn:
+    where the mean falls against the median and the tail."""
+    ax = _ax(ax)
+    x = np.asarray(pd.Series(values, dtype=float).dropna()) * MS
+    x = x[x > 0]
+    ax.hist(x, bins=np.geomspace(x.min(), x.max(), bins), color="lightsteelblue")
+    ax.set_xscale("log")
+    marks = {"mean": (x.mean(), "k", "-"), "p50": (np.percentile(x, 50), "tab:green", "--"),
+             "p95": (np.percentile(x, 95), "tab:orange", "--"), "p99": (np.percentile(x, 99), "tab:red", "--")}
+    for name, (v, c, ls) in marks.items():
+        ax.axvline(v, c=c, ls=ls, label=f"{name} {v:.1f} ms")
+    ax.set(xlabel=f"{label} (ms, log scale)", ylabel="count", title=f"{label}: {len(x)} samples")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def schedule_vs_send(df: pd.DataFrame, metric: str = "ttft", reference_s: float | None = None,
+                     ax=None, title: str | None = None):
+    """Per request, in schedule order: latency from the scheduled send vs from the actual
+    send (ms). The gap between the two is the wait a send-clocked tool never sees.
+
+    Args:
+        df: a per-request frame of an open-loop run.
+        metric: "ttft" or "e2e" (uses `<metric>_s` and `<metric>_from_send_s`).
+        reference_s: a reference latency drawn flat (e.g. the unloaded p50).
+    """
+    ax = _ax(ax)
+    d = df[df["status"] == "ok"].sort_values("scheduled_t")
+    i = np.arange(len(d))
+    ax.plot(i, d[f"{metric}_s"] * MS, "o-", label="from scheduled send (what the user waits)")
+    ax.plot(i, d[f"{metric}_from_send_s"] * MS, "s--", label="from actual send")
+    if reference_s is not None:
+        ax.axhline(reference_s * MS, c="gray", ls=":", label=f"unloaded p50 {reference_s * MS:.0f} ms")
+    ax.set(xlabel="request (in schedule order)", ylabel=f"{metric.upper()} (ms)",
+           title=title or f"{metric.upper()}: scheduled vs actual send")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def client_vs_server(rec: pd.DataFrame, ax=None):
+    """Client-measured vs server-reported time per request (ms), one colour per quantity
+    (`reconcile.reconcile` rows, concatenated), with the y = x line where they agree."""
+    ax = _ax(ax)
+    d = rec[rec["quantity"].str.endswith("_s")]
+    for q, g in d.groupby("quantity"):
+        ax.scatter(g["engine"] * MS, g["client"] * MS, s=14, label=q.removesuffix("_s"))
+    hi = float(max(d["client"].max(), d["engine"].max())) * MS * 1.05 if len(d) else 1.0
+    ax.plot([0, hi], [0, hi], "k--", lw=1, label="client = server")
+    ax.set(xlabel="server's own timing (ms)", ylabel="client's clock (ms)",
+           title="Client vs server timings", xlim=(0, hi), ylim=(0, hi))
+    ax.legend(fontsize=8)
     return ax

@@ -1,0 +1,109 @@
+"""The latency lesson's library (notebook 09): definitions checked on synthetic traces with
+hand-computed answers, and the overload runs against a stand-in server on an exact clock."""
+import pandas as pd
+import pytest
+
+from infercourse.core import metrics, summary
+from infercourse.core.trace import RequestTrace
+from infercourse.lessons import latency as lesson
+
+
+def trace(i, sched, sent, ttft, gaps, tokens=None, status="ok"):
+    t = [sent + ttft]
+    for g in gaps:
+        t.append(t[-1] + g)
+    tokens = tokens or [1] * len(t)
+    return RequestTrace(request_id=i, scheduled_t=sched, sent_t=sent, chunk_t=t, chunk_tokens=tokens,
+                        end_t=t[-1], completion_tokens=sum(tokens), prompt_tokens=10, status=status)
+
+
+def test_anatomy_of_one_request():
+    tr = trace(0, 0.0, 0.0, 0.5, [0.1, 0.1, 0.3])        # 4 tokens, end at 1.0 s
+    a = lesson.anatomy(tr)
+    assert a["ttft_s"] == pytest.approx(0.5) and a["e2e_s"] == pytest.approx(1.0)
+    assert a["tpot_s"] == pytest.approx(0.5 / 3) and a["itl_max_s"] == pytest.approx(0.3)
+    assert a["e2e_tok_per_s"] == pytest.approx(4.0) and a["decode_tok_per_s"] == pytest.approx(3 / 0.5)
+
+
+def test_peer_table_uses_each_tools_definition():
+    # scheduled 1 s before the send; TTFT from send 0.5 s; 5 tokens, 0.1 s apart; end 0.9 s after send
+    trs = [trace(0, 0.0, 1.0, 0.5, [0.1] * 4)]
+    df, itl = metrics.per_request_frame(trs), metrics.itl_frame(trs)
+    t = lesson.peer_table(df, itl)
+    assert t.loc["TTFT p50 (ms)", "infercourse"] == pytest.approx(1500)     # from the schedule
+    assert t.loc["TTFT p50 (ms)", "vLLM bench serve"] == pytest.approx(500)  # from the send
+    assert t.loc["TPOT p50 (ms)", "vLLM bench serve"] == pytest.approx(100)  # first token excluded
+    assert t.loc["TPOT p50 (ms)", "GuideLLM"] == pytest.approx(900 / 5)      # first token included
+    assert t.loc["ITL p50 (ms)", "GuideLLM"] == pytest.approx(100)           # a per-request mean
+    assert t.loc["E2E p50 (ms)", "infercourse"] == pytest.approx(1900)
+
+
+def test_rechunk_keeps_tokens_and_times_and_changes_only_chunk_metrics():
+    trs = [trace(i, 0.0, 0.0, 0.2, [0.05] * 11) for i in range(3)]      # 12 tokens each
+    four = lesson.rechunk(trs, 4)
+    assert four[0].chunk_tokens == [4, 4, 4] and four[0].chunk_t[-1] == trs[0].chunk_t[-1]
+    assert metrics.output_tokens(four[0]) == 12 and metrics.e2e_s(four[0]) == metrics.e2e_s(trs[0])
+    assert metrics.decode_tok_per_s(four[0]) == pytest.approx(metrics.decode_tok_per_s(trs[0]))
+    assert metrics.itl_s(four[0]) == pytest.approx([0.2, 0.2])           # 4 gaps of 0.05 each
+    assert metrics.ttft_s(four[0]) == pytest.approx(0.2 + 3 * 0.05)      # waits for its 4th token
+    assert metrics.tpot_s(four[0]) == pytest.approx(0.4 / 11)            # (E2E - TTFT) / (n - 1)
+    tab = lesson.chunking_table(trs, 4)
+    assert tab.loc["ITL p50, per chunk (ms)", "4 tokens per chunk"] == pytest.approx(200)
+    assert tab.loc["ITL p50, per chunk (ms)", "as streamed"] == pytest.approx(50)
+    assert tab.loc["E2E p50 (ms)"].nunique() == 1 and tab.loc["tokens per chunk"].tolist() == [1, 4]
+
+
+def test_predicted_wait():
+    assert lesson.predicted_wait(1, 3.0) == 1.0                   # the first never waits
+    assert lesson.predicted_wait(8, 3.0) == pytest.approx(1 + 7 * 2 / 3)
+    assert lesson.predicted_wait(8, 0.5) == 1.0                   # under capacity: no queue
+
+
+def test_distribution_table_says_n_too_small():
+    trs = [trace(i, float(i), float(i), 0.1 + 0.01 * i, [0.02] * 9) for i in range(20)]
+    tab = lesson.distribution_table(metrics.per_request_frame(trs), metrics.itl_frame(trs))
+    assert tab.loc["ttft_s", "n"] == 20 and "n too small: need 368" in tab.loc["ttft_s", "p99 (ms)"]
+    assert "[" in tab.loc["ttft_s", "p50 (ms)"]
+    assert tab.loc["itl_s", "n"] == 180 and "n too small" not in tab.loc["itl_s", "p95 (ms)"]
+
+
+def test_server_vs_client_reads_llama_server_timings():
+    tr = trace(0, 0.0, 0.0, 0.5, [0.1] * 4)          # decode span 0.4 s, 5 tokens
+    tr.engine_timings = {"prompt_n": 10, "prompt_ms": 450.0, "predicted_n": 5, "predicted_ms": 380.0}
+    t = lesson.server_vs_client([tr, trace(1, 0, 0, 1, [1], status="error")])
+    assert t.loc["prefill (ms)", "client"] == pytest.approx(500)
+    assert t.loc["prefill (ms)", "server"] == pytest.approx(450)
+    assert t.loc["decode (ms)", "client - server"] == pytest.approx(20)
+    assert t.loc["decode_tokens", "agree"] == "100%"
+
+
+@pytest.mark.slow
+def test_overload_queue_moves_between_client_and_server():
+    # A stand-in server with an exact clock: the two overload runs put the same queue in
+    # the client, then in the server; only the scheduled-send clock sees both.
+    from infercourse.engines.openai_http import OpenAIHTTPEngine
+    from infercourse.ops.profiles import profile
+    from infercourse.testing import SSESource
+    p = profile("cpu", prompt_tokens=6, max_tokens=4)
+    with SSESource(ttft_s=0.05, gap_s=0.01) as src:
+        eng = OpenAIHTTPEngine(src.url, api="completions")
+        reqs = lesson.requests_for(eng, p, 2)
+        seq = lesson.sequential(eng, reqs, 3)
+        s = float(seq.df["e2e_s"].median())
+        runs = {cq: lesson.overload(eng, reqs, s, factor=3.0, n=6, client_queue=cq) for cq in (True, False)}
+    for cq, res in runs.items():
+        d = res.df.sort_values("scheduled_t")
+        assert summary.status_counts(d)["ok"] == 6
+        # TTFT from the schedule = the wait before the send + TTFT from the send, per request
+        assert (d["ttft_s"] - d["ttft_from_send_s"]).to_numpy() == pytest.approx(d["dispatch_delay_s"].to_numpy())
+    client, on_time = runs[True].df.sort_values("scheduled_t"), runs[False].df
+    # one in flight: the sends fall further behind schedule with every request, and only the
+    # scheduled clock shows it (ratios within one run: no speed assumed). The stand-in
+    # serves every stream at once, so sent on time nothing queues anywhere.
+    w = lesson.measured_wait(runs[True])
+    assert w["overload"] == pytest.approx(3.0 * w["service_s"] / s)
+    assert "last dispatch delay (ms)" in lesson.wait_table({"a": w}).index
+    assert w["last_ttft_s"] > 2 * client["ttft_s"].iloc[0]
+    assert w["last_ttft_s"] > 2 * w["last_ttft_from_send_s"]
+    assert client["dispatch_delay_s"].max() > 2 * on_time["dispatch_delay_s"].max()
+    assert isinstance(lesson.peer_table(client, metrics.itl_frame(runs[True].traces)), pd.DataFrame)
