@@ -35,7 +35,7 @@ from infercourse.measure import bench, roofline
 from infercourse.measure.workloads import Workload, exact_length_prompt
 from infercourse.models.embedded import resolve_model
 
-__all__ = ["fixed_workload", "batch_ceiling", "np_sweep", "littles_law", "cb_compare",
+__all__ = ["fixed_workload", "batch_ceiling", "np_sweep", "vllm_sweep", "littles_law", "cb_compare",
            "open_loop", "knee", "goodput_by_level", "plot_throughput_latency"]
 
 
@@ -120,6 +120,33 @@ def np_sweep(workload: Workload, levels: Sequence[int], *, requests_per_level: i
         rows.append(_row(r, concurrency=n))
         runs.append(r)
     return pd.DataFrame(rows).set_index("concurrency"), runs
+
+
+def vllm_sweep(workload: Workload, levels: Sequence[int], *, requests_per_level: int, url: str | None = None,
+               out_dir: str | Path | None = None) -> pd.DataFrame:
+    """The same closed-loop sweep on vLLM (PagedAttention, continuous batching over as many
+    sequences as its KV blocks hold): a running server at `url` (e.g. a GPU box, which may
+    be remote: you own it), else vLLM's CPU build started here from its env (float32;
+    minutes to start). Returns `bench.sweep`'s table.
+
+    Args:
+        workload, levels, requests_per_level, out_dir: as in `np_sweep`.
+        url: an OpenAI-compatible vLLM / SGLang server root.
+    """
+    from infercourse.engines.openai_http import OpenAIHTTPEngine
+    srv = None
+    if url is None:
+        from infercourse.models.formats import hf_folder
+        from infercourse.servers import VLLMServer
+        srv = VLLMServer(hf_folder()).start()
+    try:
+        table, _ = bench.sweep(OpenAIHTTPEngine(url or srv.url, api="completions"), workload, levels,
+                               requests_per_level=requests_per_level, out_dir=out_dir,
+                               allow_remote=url is not None, progress=False)
+    finally:
+        if srv is not None:
+            srv.stop()
+    return table
 
 
 def littles_law(table: pd.DataFrame) -> pd.DataFrame:
