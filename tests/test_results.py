@@ -108,6 +108,7 @@ def test_compare_and_differing_conditions(tmp_path):
     assert cmp.loc["c1", "ttft_s_p50"] == pytest.approx(0.1)
     assert cmp.loc["c4", "ttft_s_p50"] == pytest.approx(0.5)
     assert cmp.loc["c4", "error_rate"] == 0 and cmp.loc["c1", "completed"] == 3
+    assert cmp.loc["c1", ["n_ok", "n_error", "n_incomplete"]].tolist() == [3, 0, 0]
     diff = R.differing_conditions([a, b])
     assert list(diff.index) == ["load.concurrency"]      # times ignored, all else equal
     assert diff.loc["load.concurrency"].tolist() == [1, 4]

@@ -270,8 +270,10 @@ def compare(runs: Iterable[Run], metric_names: Iterable[str] = ("ttft_s", "tpot_
     (with bootstrap CI bounds) of each metric, as `<metric>_p50` etc."""
     rows = []
     for run in runs:
+        counts = run.df["status"].value_counts() if len(run.df) else {}
         row: dict[str, Any] = {"run": run.label, **summary.throughput(run.df),
-                               "error_rate": summary.error_rate(run.df)}
+                               "error_rate": summary.error_rate(run.df),
+                               **{f"n_{s}": int(counts.get(s, 0)) for s in STATUSES}}
         s = summary.summarize(run.df, metric_names, seed=seed)
         for m in s.index:
             for col in ("p50", "p90", "p99", "p99_lo", "p99_hi", "mean"):
