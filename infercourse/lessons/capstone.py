@@ -149,8 +149,8 @@ def run_incident(rs: list[Route], seed: int, n_calls: int, max_tokens: int, out_
     inc, frames = Incident(seed, fault, target.key), []
     longest = "\n".join(m["content"] for m in _calls(n_calls, max_tokens).requests[-1].messages)
     for r in live:
-        # the fault lasts the whole replay (a slow CPU included), but never more than 45 s
-        with inject(fault, r.server, seconds=45) if r is target else contextlib.nullcontext() as f:
+        # the fault lasts the whole replay (a slow CPU included); 120 s is only the safety net
+        with inject(fault, r.server, seconds=120) if r is target else contextlib.nullcontext() as f:
             url = f.url if f is not None else r.url
             # the on-call snapshot first, while the fault is surely in place; then the session
             inc.snapshots[r.key] = (doctor_layers(url, server=r.server, prompt=longest, max_tokens=max_tokens,
