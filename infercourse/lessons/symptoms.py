@@ -10,6 +10,7 @@ with the numbers measured in this run.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,10 +153,12 @@ def write_cheatsheet(rows: list[SymptomRow], path: str | Path, *, machine: str =
         machine: a hardware label for the header.
     """
     df = table(rows).reset_index()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")   # timings mean little without it
     cell = lambda v: str(v).replace("|", "/").replace("\n", " ")
     lines = ["# Symptom cheat sheet: what the user sees → which layer to check", "",
-             f"Measured {utc_now()} on {machine or 'this machine'} by notebook 16 (`16_symptom_lab`): every "
-             "row reproduced live on the embedded model; evidence is what this run saw.", "",
+             f"Measured {utc_now()} on {machine or 'this machine'} ({os.cpu_count()} logical cores, 1-min load "
+             f"{load:.1f}) by notebook 16 (`16_symptom_lab`): every row reproduced live on the embedded model; "
+             "evidence and seconds are what this run saw.", "",
              "| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in df.itertuples(index=False)]
     path = Path(path)
