@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -71,6 +72,11 @@ def run_notebook(path: str | Path, out: str | Path = "build", *, timeout_s: int 
         body, _ = HTMLExporter().from_notebook_node(nb)
         (out / "html").mkdir(parents=True, exist_ok=True)
         (out / "html" / path.with_suffix(".html").name).write_text(body, encoding="utf-8")
+    # figures the notebooks link to (e.g. img/stack.png) travel with both copies
+    if (path.parent / "img").is_dir():
+        for sub in ("notebooks", "html"):
+            if (out / sub).is_dir():
+                shutil.copytree(path.parent / "img", out / sub / "img", dirs_exist_ok=True)
     return {"notebook": path.name, "seconds": round(seconds, 1), "cells": len(nb.cells)}
 
 
