@@ -225,12 +225,14 @@ def server_vs_client(traces: list[RequestTrace]) -> pd.DataFrame:
 
 def measured_wait(res: bench.BenchResult) -> dict[str, float]:
     """The last request of an overload run: latency from its schedule and from its send,
-    its dispatch delay, the run's p50s of both TTFTs, the service time this run saw
-    (median E2E from the send) and the overload it really applied (rate x that time: the
-    machine may have been faster or slower than when S was measured)."""
+    its dispatch delay, the run's p50s of both TTFTs, the service time this run saw and
+    the overload it really applied (rate x that time: the machine may have been faster or
+    slower than when S was measured). A saturated single slot finishes one request every
+    S, wherever the queue is, so S here is the median gap between completions."""
     df = res.df[res.df["status"] == "ok"].sort_values("scheduled_t")
     last = df.iloc[-1]
-    service = float(df["e2e_from_send_s"].median())
+    service = float(np.median(np.diff(np.sort(df["end_t"].to_numpy(float))))) if len(df) > 1 \
+        else float(last["e2e_from_send_s"])
     return {"last_ttft_s": float(last["ttft_s"]), "last_ttft_from_send_s": float(last["ttft_from_send_s"]),
             "last_e2e_s": float(last["e2e_s"]), "last_dispatch_delay_s": float(last["dispatch_delay_s"]),
             "p50_ttft_s": float(df["ttft_s"].median()), "p50_ttft_from_send_s": float(df["ttft_from_send_s"].median()),
