@@ -109,6 +109,8 @@ def test_tuning_log_appends_and_tracks_the_kept_config(tmp_path):
                                            "cache_type_k=q4_0"]
     assert lines[1]["config"]["n_parallel"] == 4 and lines[1]["expected"] == "queueing dominated"
     assert T.TuningLog(tmp_path).frame()["decision"].tolist() == ["baseline", "keep", "revert", "keep", "revert"]
+    text = T.explain_log(T.TuningLog(tmp_path).frame())
+    assert text.count("\n") == 3 and "`cache_type_k=q8_0` on kv_cache_mib: 90 → 68 (-24%): **keep**" in text
 
 
 def test_tuning_workloads_are_the_same_requests_every_time():

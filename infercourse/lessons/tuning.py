@@ -37,7 +37,7 @@ from infercourse.measure import bench
 from infercourse.measure.results import new_run_dir
 
 __all__ = ["ServerConfig", "serve_and_measure", "tuning_workloads", "stage_shares", "bottleneck", "ADVICE",
-           "TARGETS", "predicted_queue_share", "plot_stages", "decide", "TuningLog", "kv_cache_mib_from_log",
+           "TARGETS", "predicted_queue_share", "plot_stages", "decide", "TuningLog", "explain_log", "kv_cache_mib_from_log",
            "compute_mib_from_log"]
 
 
@@ -343,6 +343,16 @@ class TuningLog:
         rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
         cols = ["trial", "target", "before", "after", "change", "guard", "decision", "why", "expected"]
         return pd.DataFrame(rows).reindex(columns=cols)
+
+
+def explain_log(frame: pd.DataFrame) -> str:
+    """One computed line per trial of a `TuningLog.frame()`: what moved, by how much, and
+    the decision with its reason (so the Explain text never claims an outcome)."""
+    lines = []
+    for _, r in frame[frame["decision"] != "baseline"].iterrows():
+        lines.append(f"- `{r['trial']}` on {r['target']}: {r['before']:.3g} → {r['after']:.3g} "
+                     f"({r['change']:+.0%}): **{r['decision']}**, {r['why']}.")
+    return "\n".join(lines) or "No trials ran."
 
 
 _KV_RE = re.compile(r"llama_kv_cache\S*:\s+size\s*=\s*([\d.]+)\s*MiB")
