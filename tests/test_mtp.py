@@ -60,6 +60,12 @@ def test_drafting_with_heads_keeps_greedy_output(tiny):
     drafted = speculative_greedy(tiny, ids, 20, mtp.heads_drafter(heads))
     assert drafted["tokens"] == plain["tokens"]
     assert drafted["proposed"] > 0 and drafted["passes"] == 20 - drafted["accepted"]
+    # a confidence floor drafts less, never differently: over 1 nothing is proposed
+    h = feats[0]["H"][5]
+    assert heads.draft(h, 3, min_prob=1.01) == [] and len(heads.draft(h, 3)) == 2
+    assert heads.draft(h, 3, min_prob=1e-9) == heads.draft(h, 3)
+    shy = speculative_greedy(tiny, ids, 20, mtp.heads_drafter(heads, min_prob=0.9))
+    assert shy["tokens"] == plain["tokens"] and shy["proposed"] <= drafted["proposed"]
 
 
 @pytest.mark.slow

@@ -20,8 +20,8 @@ Here the base model stays frozen and only the heads learn (Medusa-1 style), from
 model's *own* predictions (self-distillation): the label for head j at position t is the
 token the base model would pick at t+j. Three shortcuts keep training to a minute on a
 CPU, each said where it matters: hidden states are computed once and reused every step;
-the heads' softmax runs over the few thousand tokens the base model ever predicts in the
-training text (`vocab`), not all 49,152 (EAGLE-3 and FR-Spec also draft from a reduced
+the heads' softmax runs over the thousand or so tokens that occur in the training text or
+that the base model predicts there (`vocab`), not all 49,152 (EAGLE-3 and FR-Spec also draft from a reduced
 vocabulary); and the text is small (`data/eval_prose.txt` plus sampled answers of the base
 model to a few dozen prompts). Trained heads are cached under `cache_dir()/mtp/` by a
 content hash of everything that shaped them, so a re-run loads them in a second.
@@ -144,15 +144,21 @@ def make_heads(model, n_heads: int, kind: str, vocab):
             return g + nn.functional.silu(self.res[j](g))
 
         @torch.inference_mode()
-        def draft(self, h, last_token: int) -> list[int]:
+        def draft(self, h, last_token: int, min_prob: float = 0.0) -> list[int]:
             """Greedy guesses for the n_heads tokens after `last_token`, from hidden state h
-            (the position whose next token is `last_token`)."""
-            if self.kind == "medusa":
-                return [int(self.vocab[o.argmax()]) for o in self(h[None])]
+            (the position whose next token is `last_token`); stops at the first guess whose
+            probability is under `min_prob` (a guess likely to be rejected costs a verified
+            position and buys nothing)."""
             g, tok, guesses = h[None], last_token, []
-            for j in range(self.n_heads):  # each module reads its predecessor's guess
-                g = self.mtp_step(j, g, torch.tensor([tok]))
-                tok = int(self.vocab[(g @ self.out_w.T).argmax()])
+            medusa = self(h[None]) if self.kind == "medusa" else None
+            for j in range(self.n_heads):  # an MTP module reads its predecessor's guess
+                if medusa is None:
+                    g = self.mtp_step(j, g, torch.tensor([tok]))
+                logits = medusa[j][0] if medusa is not None else (g @ self.out_w.T)[0]
+                p, i = torch.softmax(logits, -1).max(-1)
+                if p < min_prob:
+                    break
+                tok = int(self.vocab[i])
                 guesses.append(tok)
             return guesses
 
@@ -174,7 +180,7 @@ def _samples(feats: list[dict], n_heads: int):
     return torch.cat(H), torch.cat(T), torch.cat(L)
 
 
-def train_heads(model, feats: list[dict], *, n_heads: int = 2, kind: str = "medusa", steps: int = 300,
+def train_heads(model, feats: list[dict], *, n_heads: int = 2, kind: str = "medusa", steps: int = 150,
                 batch: int = 256, lr: float = 2e-3, seed: int = 0):
     """Train heads on frozen features (`trunk_features`); returns (heads, log) where log has
     the loss per step, the vocabulary size, samples and seconds.
@@ -189,7 +195,7 @@ def train_heads(model, feats: list[dict], *, n_heads: int = 2, kind: str = "medu
     import torch
     t0 = time.perf_counter()
     H, T, L = _samples(feats, n_heads)
-    vocab = torch.unique(L)  # the drafter's vocabulary: tokens the base model predicts here
+    vocab = torch.unique(torch.cat([L.flatten(), T.flatten()]))  # the drafter's vocabulary: tokens seen here
     index = torch.full((model.config.vocab_size,), -100, dtype=torch.long)
     index[vocab] = torch.arange(len(vocab))
     torch.manual_seed(seed)
@@ -209,9 +215,10 @@ def train_heads(model, feats: list[dict], *, n_heads: int = 2, kind: str = "medu
                    "train_s": time.perf_counter() - t0}
 
 
-def heads_drafter(heads):
-    """A `speculative_greedy` drafter: the heads' guesses from the verified hidden state."""
-    return lambda seq, h: heads.draft(h, seq[-1])
+def heads_drafter(heads, min_prob: float = 0.0):
+    """A `speculative_greedy` drafter: the heads' guesses from the verified hidden state,
+    only as far as each guess has probability >= `min_prob` (0: always all heads)."""
+    return lambda seq, h: heads.draft(h, seq[-1], min_prob)
 
 
 def heldout_acceptance(heads, feats: list[dict], start: Sequence[int]):
@@ -219,12 +226,14 @@ def heldout_acceptance(heads, feats: list[dict], start: Sequence[int]):
     text, from position `start[i]` of document i on (the generated part, not the prompt).
 
     Returns a DataFrame, one row per head: `head_alone` (its guess right, whatever the
-    others did) and `chain` (it and every earlier head right: only then does speculative
-    decoding get to keep it), plus the expected tokens per target pass 1 + Σ chain.
+    others did), `chain` (it and every earlier head right: only then does speculative
+    decoding get to keep it), the expected tokens per target pass 1 + Σ chain, and
+    `always_most_common`: how often one fixed guess, the commonest token at that offset,
+    would be right (what a head that learned nothing about the context could reach).
     """
     import pandas as pd
     import torch
-    right = []
+    right, labels = [], []
     with torch.inference_mode():
         for f, s in zip(feats, start):
             H, T, L = _samples([f], heads.n_heads)
@@ -235,17 +244,19 @@ def heldout_acceptance(heads, feats: list[dict], start: Sequence[int]):
             else:  # free-running chain, as at decode time: each module reads the previous guess
                 guess = torch.tensor([heads.draft(h, int(x)) for h, x in zip(H[s:], T[s:, 0])])
             right.append((guess == L[s:]).numpy())
+            labels.append(L[s:].numpy())
     if not right:
         raise ValueError("no held-out positions: documents shorter than n_heads + start")
-    ok = np.concatenate(right)
+    ok, lab = np.concatenate(right), np.concatenate(labels)
     chain = np.cumprod(ok, axis=1).mean(0)
+    common = [np.unique(lab[:, j], return_counts=True)[1].max() / len(lab) for j in range(lab.shape[1])]
     return pd.DataFrame({"head": [f"t+{j + 2}" for j in range(ok.shape[1])], "head_alone": ok.mean(0),
-                         "chain": chain, "positions": len(ok),
-                         "tokens_per_pass": 1 + np.cumsum(chain)})
+                         "chain": chain, "positions": len(ok), "tokens_per_pass": 1 + np.cumsum(chain),
+                         "always_most_common": common})
 
 
 def trained_heads(model, tokenizer, base_id: str, *, kinds: Sequence[str] = ("medusa", "mtp"),
-                  n_heads: int = 2, steps: int = 300, train_topics: int = 24, train_tokens: int = 96,
+                  n_heads: int = 2, steps: int = 150, train_topics: int = 24, train_tokens: int = 80,
                   prose: str | None = None, heldout_tokens: int = 64, seed: int = 0):
     """Heads of each kind, trained once per configuration and then loaded from
     `cache_dir()/mtp/<content hash>.pt`; returns ({kind: heads}, {kind: log}, held-out).
@@ -266,7 +277,7 @@ def trained_heads(model, tokenizer, base_id: str, *, kinds: Sequence[str] = ("me
         seed: sampling and initialisation seed.
     """
     import torch
-    key = {"v": 1, "base": base_id, "kinds": list(kinds), "n_heads": n_heads, "steps": steps,
+    key = {"v": 2, "base": base_id, "kinds": list(kinds), "n_heads": n_heads, "steps": steps,
            "topics": TRAIN_TOPICS[:train_topics], "train_tokens": train_tokens, "heldout": HELDOUT_TOPICS,
            "heldout_tokens": heldout_tokens, "prose": content_hash(prose), "seed": seed}
     path = Path(cache_dir()) / "mtp" / f"{content_hash(key)[:16]}.pt"

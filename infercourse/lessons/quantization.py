@@ -26,7 +26,7 @@ from infercourse.core.errors import ModelLayerError
 
 __all__ = ["measure_ladder", "ladder_paths", "greedy_agreement", "rss_bytes",
            "levels_per_block", "paired_nll_difference",
-           "ladder_table", "tensor_rows"]
+           "ladder_table", "tensor_rows", "last_level_cache_bytes"]
 
 
 def rss_bytes() -> int:
@@ -57,9 +57,19 @@ def greedy_agreement(reference: Sequence[str], candidate: Sequence[str]) -> floa
 
 def ladder_paths(qtypes: Iterable[str], *, include_original: bool = True) -> dict[str, Path]:
     """{name: GGUF path}: "F16", the requested re-quantizations (derived once by
-    `infercourse.models.formats`), and the embedded original as "Q4_1 (original)"."""
+    `infercourse.models.formats`), and the embedded original as "Q4_1 (original)".
+
+    The quantizer's ~1,500 log lines (one per tensor) are kept out of the caller's output:
+    llama-cpp-python prints llama.cpp's log through Python's `sys.stderr`, where a
+    descriptor-level redirect cannot catch it, unless its logger ("llama-cpp-python", the
+    standard `logging` name it filters on) is above INFO, as `Llama(verbose=False)` sets
+    it. The quantizer never creates a `Llama`, so we set the level here: errors still show.
+    """
+    import logging
+
     from infercourse.models.formats import f16_gguf, quantized_gguf
     from infercourse.models.embedded import embedded_gguf
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
     paths = {"F16": f16_gguf()}
     if include_original:
         paths["Q4_1 (original)"] = embedded_gguf()
@@ -284,3 +294,29 @@ def tensor_rows(gguf_path: str | Path):
                                    types=("type", lambda x: ", ".join(sorted(set(x)))), count=("type", "size"))
     out.insert(1, "fits_256", out["row_length"] % 256 == 0)
     return out.reset_index()
+
+
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's largest cache level (bytes), to compare with a model's weights:
+    from /sys on Linux, `sysctl` on macOS; None where neither says."""
+    import re
+    import subprocess
+    sizes = {}
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, size = int((d / "level").read_text()), (d / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        m = re.fullmatch(r"(\d+)([KMG]?)", size)
+        if m:
+            sizes[level] = int(m.group(1)) * {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}[m.group(2)]
+    if sizes:
+        return sizes[max(sizes)]
+    for key in ("hw.l3cachesize", "hw.l2cachesize"):
+        try:
+            out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if out.isdigit() and int(out) > 0:
+            return int(out)
+    return None
