@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import socket
 import struct
 import threading
@@ -95,6 +96,7 @@ class FaultProxy:
         self.port = free_port()
         self.counts = {"requests": 0, "faulted": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
         self._until = 0.0
 
@@ -116,17 +118,12 @@ class FaultProxy:
 
         def run() -> None:
             self._loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(self._loop)   # this thread's loop (gather() at shutdown looks it up)
-            server = self._loop.run_until_complete(asyncio.start_server(self._handle, HOST, self.port))
+            asyncio.set_event_loop(self._loop)
+            self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, HOST, self.port))
             ready.set()
             try:
                 self._loop.run_forever()
             finally:
-                server.close()
-                tasks = asyncio.all_tasks(self._loop)
-                for task in tasks:
-                    task.cancel()
-                self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
                 self._loop.close()
 
         self._until = time.monotonic() + self.max_s
@@ -137,8 +134,18 @@ class FaultProxy:
         _LIVE.add(self)
         return self
 
+    async def _shutdown(self) -> None:
+        """Stop accepting, then cancel and await every connection still being served."""
+        self._server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def stop(self) -> None:
         if self._loop is not None and self._loop.is_running():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(5)
