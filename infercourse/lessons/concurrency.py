@@ -50,8 +50,12 @@ def fixed_workload(prompt_tokens: int, max_tokens: int, n: int, *, model: str | 
         n: how many distinct prompts (distinct first words: no prefix-cache reuse).
         model: the GGUF whose tokenizer counts (None: the embedded model).
     """
+    import contextlib
+    import io
+
     import llama_cpp
-    vocab = llama_cpp.Llama(model_path=str(resolve_model(model).path), vocab_only=True, verbose=False)
+    with contextlib.redirect_stderr(io.StringIO()):   # it warns about n_ctx even with verbose=False
+        vocab = llama_cpp.Llama(model_path=str(resolve_model(model).path), vocab_only=True, verbose=False)
     tok = lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)  # noqa: E731
     reqs = tuple(Request(prompt=exact_length_prompt(prompt_tokens, tok, seed=seed + i), max_tokens=max_tokens,
                          ignore_eos=True, seed=seed) for i in range(n))
@@ -209,9 +213,12 @@ def knee(table: pd.DataFrame, *, min_gain: float = 0.15) -> int:
 
 def goodput_by_level(runs: Sequence[bench.BenchResult], slos: dict[str, float]) -> pd.DataFrame:
     """Goodput per run: share of requests meeting every SLO, and how many per second."""
+    import warnings
     rows = []
     for r in runs:
-        g = summary.goodput(r.df, slos)
+        with warnings.catch_warnings():      # "no request met ..." shows as a 0 in the table
+            warnings.simplefilter("ignore", UserWarning)
+            g = summary.goodput(r.df, slos)
         rows.append({"run": r.manifest.get("label"), "good_fraction": g["good_fraction"],
                      "goodput_req_per_s": g["goodput_requests_per_s"],
                      "throughput_req_per_s": summary.throughput(r.df)["requests_per_s"]})

@@ -112,8 +112,12 @@ def max_context(line: dict[str, float], budget_mib: float, *, n_parallel: int = 
 
 def vocab_tokenizer(model=None):
     """Text -> token ids with the GGUF's own vocabulary (no weights loaded)."""
+    import contextlib
+    import io
+
     import llama_cpp
-    vocab = llama_cpp.Llama(model_path=str(resolve_model(model).path), vocab_only=True, verbose=False)
+    with contextlib.redirect_stderr(io.StringIO()):   # it warns about n_ctx even with verbose=False
+        vocab = llama_cpp.Llama(model_path=str(resolve_model(model).path), vocab_only=True, verbose=False)
     return lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
 
 
