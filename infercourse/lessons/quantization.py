@@ -59,22 +59,25 @@ def ladder_paths(qtypes: Iterable[str], *, include_original: bool = True) -> dic
     """{name: GGUF path}: "F16", the requested re-quantizations (derived once by
     `infercourse.models.formats`), and the embedded original as "Q4_1 (original)".
 
-    The quantizer's ~1,500 log lines (one per tensor) are kept out of the caller's output:
+    The quantizer's log (a line or more per tensor, ~1,500 for a K-quant) goes to the
+    native log file (`ops.logs.native_log_path()`), not to the caller's output:
     llama-cpp-python prints llama.cpp's log through Python's `sys.stderr`, where a
-    descriptor-level redirect cannot catch it, unless its logger ("llama-cpp-python", the
-    standard `logging` name it filters on) is above INFO, as `Llama(verbose=False)` sets
-    it. The quantizer never creates a `Llama`, so we set the level here: errors still show.
+    descriptor-level redirect cannot catch it, so we redirect `sys.stderr` itself while
+    deriving.
     """
-    import logging
+    import contextlib
 
     from infercourse.models.formats import f16_gguf, quantized_gguf
     from infercourse.models.embedded import embedded_gguf
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-    paths = {"F16": f16_gguf()}
-    if include_original:
-        paths["Q4_1 (original)"] = embedded_gguf()
-    for q in qtypes:
-        paths[q] = quantized_gguf(q)
+    from infercourse.ops.logs import native_log_path
+    log = native_log_path()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8") as f, contextlib.redirect_stderr(f):
+        paths = {"F16": f16_gguf()}
+        if include_original:
+            paths["Q4_1 (original)"] = embedded_gguf()
+        for q in qtypes:
+            paths[q] = quantized_gguf(q)
     return paths
 
 
