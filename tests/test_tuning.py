@@ -158,7 +158,7 @@ def test_production_workloads_and_overflow():
     users = [SimpleNamespace(i=i) for i in range(4)]
     w = CP.production_workloads(users, 2.0, load=0.5, seed=3)
     assert w["local"] == (users, {"pattern": "sequential"})
-    assert w["production"][1] == {"pattern": "poisson", "rate_rps": 1.0, "seed": 3}
+    assert w["production"][1] == {"pattern": "poisson", "rate_rps": 1.0, "seed": 3, "warmup": 0}
     with pytest.raises(ValueError):
         CP.production_workloads(users, 0.0)
     assert CP.production_workloads(users, 2.0, n_local=2)["local"][0] == users[:2]

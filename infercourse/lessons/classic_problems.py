@@ -135,7 +135,9 @@ def production_workloads(users: list[Request], capacity_rps: float, *, load: flo
     if not capacity_rps > 0 or not 0 < load:
         raise ValueError(f"need capacity_rps > 0 and load > 0, got {capacity_rps}, {load}")
     return {"local": (users[:n_local], {"pattern": "sequential"}),
-            "production": (users, {"pattern": "poisson", "rate_rps": load * capacity_rps, "seed": seed})}
+            # the local run warmed the server up: no second warm-up
+            "production": (users, {"pattern": "poisson", "rate_rps": load * capacity_rps, "seed": seed,
+                                   "warmup": 0})}
 
 
 def overflow_request(tokenize, ctx_per_slot: int, *, extra: int = 64) -> Request:
