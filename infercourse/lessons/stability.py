@@ -91,7 +91,7 @@ def plot_soak(result, *, axes=None):
         ok, bad = df[df["status"] == "ok"], df[df["status"] != "ok"]
         ax[2].scatter(ok["t_s"], ok["ttft_s"], s=8, label="TTFT (ok)")
         ax[2].scatter(ok["t_s"], ok["e2e_s"], s=8, label="E2E (ok)")
-        ax[2].scatter(bad["t_s"], np.zeros(len(bad)), marker="x", color="red", label=f"errors ({len(bad)})")
+        ax[2].scatter(bad["t_s"], np.zeros(len(bad)), marker="x", color="red", label=f"errors or cut off ({len(bad)})")
         ax[2].set(ylabel="seconds", xlabel="soak time (s)", title="Latency per request")
         ax[2].legend(fontsize=7)
         hit = ok["cached_tokens"].fillna(0) / ok["prompt_tokens"]
