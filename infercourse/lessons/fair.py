@@ -105,7 +105,7 @@ def route_status(names: list[str], status: dict[str, dict[str, Any]] | None = No
 
 
 def _tree_rss(pid: int | None) -> float:
-    """Resident bytes of a server process and its children (0 if gone)."""
+    """Resident bytes of a server process and its children (NaN if it is gone)."""
     try:
         p = psutil.Process(pid)
         return float(sum(q.memory_info().rss for q in [p, *p.children(recursive=True)]))
