@@ -160,3 +160,13 @@ def test_killed_server_is_restarted_and_nothing_is_lost(server, tmp_path):
     assert set(r.samples["pid"].dropna().astype(int)) >= {fired["pid"], server.pid}
     events = [json.loads(x)["event"] for x in (out / "events.jsonl").read_text().splitlines()]
     assert events[-2:] == ["crash", "restart"]
+
+
+@pytest.mark.slow
+def test_crash_drill_after_n_answers(server, tmp_path):
+    r = soak.soak(server, LIGHT, duration_s=20, concurrency=1, interval_s=0.5, kill_after_ok=2,
+                  out_dir=tmp_path / "soak", progress=False)
+    crash = next(e for e in r.events if e["event"] == "crash")
+    assert r.summary["restarts"] == 1 and crash["pid"] != server.pid
+    first_life = r.df[r.df["round"] == 0]
+    assert (first_life["status"] == "ok").sum() == 2                  # killed right after the 2nd answer

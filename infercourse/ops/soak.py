@@ -139,7 +139,8 @@ class SoakResult:
 
 def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0, concurrency: int = 2,
          rate_rps: float | None = None, interval_s: float | None = None, out_dir: str | os.PathLike | None = None,
-         label: str | None = None, kill_at_s: Sequence[float] = (), max_restarts: int = 5, seed: int = 0,
+         label: str | None = None, kill_at_s: Sequence[float] = (), kill_after_ok: int | None = None,
+         max_restarts: int = 5, seed: int = 0,
          ignore_eos: bool | None = None, progress: bool = True, conditions: dict | None = None) -> SoakResult:
     """Run `workload` against a server for `duration_s`, sampling it, restarting it if it dies.
 
@@ -153,6 +154,8 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
         interval_s: seconds between samples (default: `default_interval(duration_s)`).
         out_dir: results folder (default: cache_dir()/runs/<time>_soak).
         kill_at_s: seconds into the soak at which to SIGKILL the server (a crash drill).
+        kill_after_ok: or SIGKILL it once this many requests have succeeded (a drill that
+            does not depend on how fast this machine is).
         max_restarts: the supervisor gives up after this many restarts.
         ignore_eos: force every request to its max_tokens (None: as the workload says).
         progress: a progress bar with a live status line.
@@ -185,7 +188,7 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
                 "sampling": base[0].sampling(), "load": load, "workload": wl.describe(),
                 "server": server.describe() if sup else {"url": url},
                 "soak": {"duration_s": duration_s, "interval_s": interval_s, "kill_at_s": list(kill_at_s),
-                         "max_restarts": max_restarts}, **(conditions or {})}
+                         "kill_after_ok": kill_after_ok, "max_restarts": max_restarts}, **(conditions or {})}
     writer = RunWriter(out, manifest)
     if sup:
         sup.log = out / EVENTS
@@ -205,6 +208,8 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
 
     def tally(tr) -> None:
         counts["ok" if tr.status == "ok" else "error"] += 1
+        if sup and tr.status == "ok" and counts["ok"] == kill_after_ok:
+            kill_server(server)
 
     sampler = ServerSampler(url, (lambda: server.pid) if sup else (lambda: None), out,
                             interval_s=interval_s, on_sample=status if progress else None)
@@ -341,6 +346,7 @@ def soak_main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, help="seconds between samples (default: ~2000 over the soak)")
     p.add_argument("--kill-at", type=float, action="append", default=[],
                    help="crash drill: SIGKILL the server this many seconds in (repeatable)")
+    p.add_argument("--kill-after", type=int, help="crash drill: SIGKILL the server after N answered requests")
     p.add_argument("--max-restarts", type=int, default=5, help="give up after this many restarts")
     p.add_argument("--out", type=Path, help="results folder (default: under the infercourse cache)")
     p.add_argument("--label", help="name of this run in reports")
@@ -350,7 +356,7 @@ def soak_main(argv: list[str] | None = None) -> int:
         duration = parse_duration(a.duration)
     except ValueError as e:
         p.error(str(e))
-    if a.url and a.kill_at:
+    if a.url and (a.kill_at or a.kill_after):
         p.error("--kill-at needs a server this command supervises (drop --url)")
     from infercourse.core.errors import InferCourseError
     srv = None
@@ -360,7 +366,8 @@ def soak_main(argv: list[str] | None = None) -> int:
             srv = LlamaServer(a.model, n_parallel=a.parallel, ctx_size=a.ctx, threads=a.threads)
         r = soak(a.url or srv, soak_workload(a.workload, max_calls=a.max_calls or None), duration_s=duration,
                  concurrency=a.concurrency, rate_rps=a.rate, interval_s=a.interval, out_dir=a.out,
-                 label=a.label, kill_at_s=a.kill_at, max_restarts=a.max_restarts, progress=not a.no_progress)
+                 label=a.label, kill_at_s=a.kill_at, kill_after_ok=a.kill_after, max_restarts=a.max_restarts,
+                 progress=not a.no_progress)
     except InferCourseError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
