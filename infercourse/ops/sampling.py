@@ -18,7 +18,7 @@ queue that grows because a slot leaks, a KV cache that fills as agent contexts g
 - GPU memory, utilisation and power when an NVIDIA GPU is present (`hardware.gpu_stats`).
 
 `drift` turns the RSS series into a slope with a confidence interval: the one number a
-memory-leak claim needs.
+memory-leak claim needs; `soak_summary` puts it beside the requests' and restarts' numbers.
 """
 from __future__ import annotations
 
@@ -34,10 +34,13 @@ import httpx
 import numpy as np
 import psutil
 
+import pandas as pd
+
+from infercourse.core import summary
 from infercourse.measure.hardware import gpu_stats
 
 __all__ = ["prometheus_values", "slots_usage", "process_rss_mib", "ServerSampler", "drift",
-           "load_samples"]
+           "load_samples", "soak_summary"]
 
 SAMPLES = "samples.jsonl"
 # Gauges and counters worth a column (llama-server `--metrics`, vLLM); others are ignored.
@@ -220,3 +223,46 @@ def drift(t_s, y, *, ci: float = 0.95, n_boot: int = 1000, seed: int = 0,
     return {"slope_per_s": slope, "lo_per_s": float(lo), "hi_per_s": float(hi),
             "slope_per_h": slope * 3600, "lo_per_h": float(lo) * 3600, "hi_per_h": float(hi) * 3600,
             "n": n, "span_s": float(np.ptp(t))}
+
+
+def soak_summary(df: pd.DataFrame, samples: pd.DataFrame, events: list[dict],
+                 duration_s: float) -> dict[str, Any]:
+    """The soak's headline numbers: requests, error rate, restarts, uptime, latency
+    percentiles, prompt-cache hit rate, peak KV use and queue, and RSS drift (MiB/h, with
+    its interval) over the longest stretch one server process lived.
+
+    Args:
+        df: per-request frame; samples: `load_samples`; events: the supervisor's events.
+        duration_s: the soak's planned duration.
+    """
+    out: dict[str, Any] = {"duration_s": duration_s, "requests": len(df),
+                           "restarts": sum(e["event"] == "restart" for e in events),
+                           "downtime_s": float(sum(e.get("took_s", 0) for e in events if e["event"] == "restart"))}
+    # a request cut off by the soak's end is not a server error; count it apart
+    cut = df["status"].eq("incomplete") if len(df) else pd.Series(dtype=bool)
+    out["incomplete_at_end"] = int(cut.sum())
+    out["error_rate"] = summary.error_rate(df[~cut]) if len(df[~cut]) else float("nan")
+    out.update({k: v for k, v in summary.throughput(df).items() if k in ("requests_per_s", "output_tok_per_s")}
+               if len(df) else {})
+    ok = df[df["status"] == "ok"] if len(df) else df
+    if len(ok):
+        for m in ("ttft_s", "e2e_s"):
+            out[f"{m}_p50"], out[f"{m}_p95"] = (float(np.nanpercentile(ok[m], q)) for q in (50, 95))
+        prompt = ok["prompt_tokens"].sum()
+        out["cache_hit_rate"] = float(ok["cached_tokens"].fillna(0).sum() / prompt) if prompt else float("nan")
+    if len(samples) and "up" in samples:
+        out["uptime_frac"] = float(samples["up"].fillna(False).astype(bool).mean())
+    for col, name in (("kv_used_frac", "kv_used_frac_max"), ("llamacpp:requests_deferred", "deferred_max"),
+                      ("rss_mib", "rss_mib_max")):
+        if len(samples) and col in samples:
+            out[name] = float(pd.to_numeric(samples[col], errors="coerce").max())
+    if len(samples) and "rss_mib" in samples and "pid" in samples:
+        # only while the server answered: a dying or loading process is not a drift
+        healthy = samples[samples["up"].fillna(False).astype(bool)] if "up" in samples else samples
+        life = healthy.dropna(subset=["rss_mib"]).groupby("pid")
+        if len(life):
+            longest = max(life, key=lambda g: len(g[1]))[1]
+            d = drift(longest["t_s"], longest["rss_mib"])
+            out.update(rss_drift_mib_per_h=d["slope_per_h"], rss_drift_lo=d["lo_per_h"],
+                       rss_drift_hi=d["hi_per_h"], rss_drift_samples=d["n"])
+    return out
