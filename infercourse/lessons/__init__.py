@@ -1,14 +1,25 @@
 """One module per notebook concept. Lessons import the library; nothing in the library
 imports a lesson, and no lesson imports another (import-linter checks both in `make test`).
+A concept two notebooks share gets its own module (e.g. `draft_verify`, used by 07 and 08).
 
-| module           | notebook                          |
-|------------------|-----------------------------------|
-| `stack`          | 00 setup, 01 the stack            |
-| `agent`          | 02 the agent loop                 |
-| `prefill_decode` | 03 prefill vs decode              |
-| `kvcache`        | 04 the KV cache                   |
-| `prefixcache`    | 05 the prefix cache               |
-| `quantization`   | 06 quantization                   |
-| `speculative`    | 07 speculative decoding           |
-| `exercises`      | every notebook's self-check cells |
+| module             | notebook                                             |
+|--------------------|------------------------------------------------------|
+| `stack`            | 00 setup, 01 the stack                               |
+| `agent`            | 02 the agent loop                                    |
+| `prefill_decode`   | 03 prefill vs decode                                 |
+| `kvcache`          | 04 the KV cache                                      |
+| `prefixcache`      | 05 the prefix cache                                  |
+| `quantization`, `quant_blocks` | 06 quantization (the ladder; one block by hand) |
+| `speculative`, `draft_verify`, `spec_server` | 07 speculative decoding |
+| `mtp`              | 08 multi-token prediction                            |
+| `latency`          | 09 latency metrics                                   |
+| `concurrency`      | 10 concurrency and continuous batching               |
+| `memory`           | 11 context and memory                                |
+| `fair`             | 12 a fair benchmark                                  |
+| `tuning`, `classic_problems` | 13 tuning                                  |
+| `stability`        | 14 stability (soak)                                  |
+| `troubleshooting`  | 15 layered troubleshooting                           |
+| `symptoms`         | 16 the symptom lab                                   |
+| `capstone`         | 17 the capstone incident                             |
+| `exercises`        | every notebook's self-checks and predictions         |
 """
