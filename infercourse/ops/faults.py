@@ -162,7 +162,6 @@ def _killed(f: Injected, server, seconds: float):
         finally:
             if server is not None:     # undo: a server we were lent is handed back running
                 srv.stop()
-                srv.pid = None         # Server.start() looks the pid up only when unset
                 srv.start()
 
 

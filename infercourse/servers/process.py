@@ -121,6 +121,7 @@ class Server:
         if self.running:
             return self
         argv = [str(a) for a in self.argv()]
+        self.pid = None             # a restart is a new process: never keep a dead one's pid
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(("$ " + " ".join(scrub_argv(argv)) + "\n").encode())
