@@ -179,7 +179,7 @@ def kv_type_table(model=None, kv_types: Sequence[str] = ("f16", "q8_0", "q4_0"),
     rows = []
     for t in kv_types:
         with _llama(model, ctx_size, 1, threads, ["-fa", "on", "-ctk", t, "-ctv", t]) as srv:
-            done = _complete(srv.url, prompt, 4, cache_prompt=False)     # warm-up: touch the buffers
+            done = _complete(srv.url, "Hello", 4, cache_prompt=False)     # warm-up: touch the buffers
             timings = httpx.post(srv.url + "/completion", json={"prompt": prompt, "n_predict": max_tokens,
                                  "ignore_eos": True, "cache_prompt": False}, timeout=300).json()["timings"]
             rows.append({"kv_type": t, "bytes_per_element": KV_TYPE_BYTES[t], "rss_mib": process_rss_mib(srv.pid),
