@@ -38,6 +38,15 @@ def test_littles_law_and_knee_on_a_table():
     assert cc.knee(t, min_gain=0.05) == 4
 
 
+def test_staggered_varies_lengths_only():
+    from infercourse.core.types import Request
+    from infercourse.measure.workloads import Workload
+    wl = Workload("w", tuple(Request(prompt=f"p{i}", max_tokens=8) for i in range(4)))
+    st = cc.staggered(wl)
+    assert [r.max_tokens for r in st.requests] == [2, 8, 16, 2]
+    assert [r.prompt for r in st.requests] == [r.prompt for r in wl.requests] and st.name == "w-staggered"
+
+
 def test_goodput_by_level_counts_requests_meeting_every_slo():
     df = pd.DataFrame({"status": ["ok", "ok", "ok", "error"], "ttft_s": [0.2, 0.9, 0.3, np.nan],
                        "tpot_s": [0.05, 0.05, 0.2, np.nan], "output_tokens": [8, 8, 8, 0],
@@ -72,6 +81,6 @@ def test_np_sweep_obeys_littles_law(tmp_path):
 @pytest.mark.slow
 def test_cb_compare_runs_both_settings(tmp_path):
     wl = cc.fixed_workload(32, 8, 2)
-    t = cc.cb_compare(wl, 2, requests=2, threads=1, ctx_per_slot=128, out_dir=tmp_path)
+    t = cc.cb_compare(cc.staggered(wl), 2, requests=2, threads=1, ctx_per_slot=128, out_dir=tmp_path)
     assert list(t["flag"]) == ["-cb", "-nocb"] and (t["error_rate"] == 0).all()
     assert (tmp_path / "nocb" / "manifest.json").exists()

@@ -23,6 +23,7 @@ the number to tune for.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,7 +36,7 @@ from infercourse.measure import bench, roofline
 from infercourse.measure.workloads import Workload, exact_length_prompt
 from infercourse.models.embedded import resolve_model
 
-__all__ = ["fixed_workload", "batch_ceiling", "np_sweep", "vllm_sweep", "littles_law", "cb_compare",
+__all__ = ["fixed_workload", "batch_ceiling", "np_sweep", "vllm_sweep", "staggered", "littles_law", "cb_compare",
            "open_loop", "knee", "goodput_by_level", "plot_throughput_latency"]
 
 
@@ -162,9 +163,20 @@ def littles_law(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def staggered(workload: Workload, factors: Sequence[float] = (0.25, 1.0, 2.0)) -> Workload:
+    """The workload with output lengths varied (max_tokens x each factor in turn). Identical
+    lengths keep closed-loop users in lockstep: all start together and finish together, so
+    there is never a request waiting for a running batch, and continuous batching has
+    nothing to do. Real users fall out of step; varied lengths make them."""
+    reqs = tuple(replace(r, max_tokens=max(1, round(r.max_tokens * factors[i % len(factors)])))
+                 for i, r in enumerate(workload.requests))
+    return Workload(workload.name + "-staggered", reqs)
+
+
 def cb_compare(workload: Workload, concurrency: int, *, requests: int, model=None, threads: int | None = None,
                ctx_per_slot: int = 512, out_dir: str | Path | None = None) -> pd.DataFrame:
-    """The same load with continuous batching on (`-cb`) and off (`-nocb`).
+    """The same load with continuous batching on (`-cb`) and off (`-nocb`). Pass a
+    `staggered` workload: with identical lengths the two cannot differ.
 
     Args:
         workload: requests; concurrency: users = slots; requests: measured per setting.
