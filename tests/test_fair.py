@@ -121,6 +121,8 @@ def test_explain_pairs_calls_and_calls_noise_noise(tmp_path):
                          "cache_hit": [0.5, 0.5], "memory_mb": [100.0, 120.0], "why": ["", ""]},
                         index=["llama.cpp in process", "llama-server"])
     text = fair.explain(rows, {"llama.cpp in process": base, "llama-server": slower}, 5.0)
-    assert "adds +10 ms to TTFT (every call: +10 to +20 ms)" in text
+    assert "adds 10 ms to TTFT (every call: +10 to +20 ms)" in text
+    text = fair.explain(rows, {"llama.cpp in process": slower, "llama-server": base}, 5.0)
+    assert "reaches the first token 10 ms sooner than in process (every call: -20 to -10 ms" in text
     text = fair.explain(rows, {"llama.cpp in process": base, "llama-server": noisy}, 5.0)
     assert "nothing we can separate from this machine's noise (per call: -50 to +50 ms)" in text

@@ -318,8 +318,11 @@ def explain(rows: pd.DataFrame, runs: dict[str, Run], predicted_ratio: float,
     if {base, "llama-server"} <= set(runs):
         a, b = (runs[n].df.set_index("request_id")["ttft_s"] for n in (base, "llama-server"))
         d = 1e3 * (b - a).dropna()
-        verdict = (f"adds {d.median():+.0f} ms to TTFT (every call: {d.min():+.0f} to {d.max():+.0f} ms)"
-                   if d.min() > 0 or d.max() < 0 else
+        verdict = (f"adds {d.median():.0f} ms to TTFT (every call: {d.min():+.0f} to {d.max():+.0f} ms)"
+                   if d.min() > 0 else
+                   f"reaches the first token {-d.median():.0f} ms sooner than in process (every call: "
+                   f"{d.min():+.0f} to {d.max():+.0f} ms): the library around a runtime costs time too"
+                   if d.max() < 0 else
                    f"adds nothing we can separate from this machine's noise (per call: {d.min():+.0f} to "
                    f"{d.max():+.0f} ms)")
         out.append(f"- Same runtime behind HTTP, call by call: llama-server {verdict}.")
