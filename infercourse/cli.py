@@ -158,9 +158,8 @@ def _file_tokenizer(path: Path):
     """A tokenizer from a file: a .gguf (llama.cpp, vocabulary only) or an HF tokenizer
     (a folder holding tokenizer.json, or the file itself)."""
     if path.suffix == ".gguf":
-        import llama_cpp
-        vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-        return lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+        from infercourse.models.embedded import vocab_tokenizer
+        return vocab_tokenizer(path)
     try:
         from tokenizers import Tokenizer
     except ImportError as e:

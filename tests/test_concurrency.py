@@ -58,7 +58,7 @@ def test_goodput_by_level_counts_requests_meeting_every_slo():
 
 
 def test_fixed_workload_is_exact_and_distinct():
-    from infercourse.lessons.memory import vocab_tokenizer
+    from infercourse.models.embedded import vocab_tokenizer
     wl = cc.fixed_workload(48, 8, 3)
     tok = vocab_tokenizer()
     assert [len(tok(r.prompt)) for r in wl.requests] == [48, 48, 48]

@@ -34,7 +34,7 @@ from infercourse.core import summary
 from infercourse.core.types import Request
 from infercourse.measure import bench, roofline
 from infercourse.measure.workloads import Workload, exact_length_prompt
-from infercourse.models.embedded import resolve_model
+from infercourse.models.embedded import vocab_tokenizer
 
 __all__ = ["fixed_workload", "batch_ceiling", "np_sweep", "vllm_sweep", "staggered", "littles_law", "cb_compare",
            "open_loop", "knee", "goodput_by_level", "plot_throughput_latency"]
@@ -51,13 +51,7 @@ def fixed_workload(prompt_tokens: int, max_tokens: int, n: int, *, model: str | 
         n: how many distinct prompts (distinct first words: no prefix-cache reuse).
         model: the GGUF whose tokenizer counts (None: the embedded model).
     """
-    import contextlib
-    import io
-
-    import llama_cpp
-    with contextlib.redirect_stderr(io.StringIO()):   # it warns about n_ctx even with verbose=False
-        vocab = llama_cpp.Llama(model_path=str(resolve_model(model).path), vocab_only=True, verbose=False)
-    tok = lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)  # noqa: E731
+    tok = vocab_tokenizer(model)
     reqs = tuple(Request(prompt=exact_length_prompt(prompt_tokens, tok, seed=seed + i), max_tokens=max_tokens,
                          ignore_eos=True, seed=seed) for i in range(n))
     return Workload(f"fixed-{prompt_tokens}in-{max_tokens}out-x{n}", reqs)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import httpx
@@ -35,7 +34,7 @@ import pandas as pd
 from infercourse.core.types import Request, generate
 from infercourse.measure import roofline
 from infercourse.measure.workloads import eval_text, exact_length_prompt
-from infercourse.models.embedded import resolve_model
+from infercourse.models.embedded import resolve_model, vocab_tokenizer
 from infercourse.ops.sampling import process_rss_mib
 
 __all__ = ["KV_TYPE_BYTES", "log_buffers", "predict_memory", "measure_server", "rss_line", "max_context",
@@ -108,17 +107,6 @@ def max_context(line: dict[str, float], budget_mib: float, *, n_parallel: int = 
     cells = (budget_mib - line["fixed_mib"]) / line["mib_per_token"]
     step = pad * n_parallel
     return int(cells // step) * step
-
-
-def vocab_tokenizer(model=None):
-    """Text -> token ids with the GGUF's own vocabulary (no weights loaded)."""
-    import contextlib
-    import io
-
-    import llama_cpp
-    with contextlib.redirect_stderr(io.StringIO()):   # it warns about n_ctx even with verbose=False
-        vocab = llama_cpp.Llama(model_path=str(resolve_model(model).path), vocab_only=True, verbose=False)
-    return lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
 
 
 def kv_type_nll(model=None, kv_type: str = "f16", *, text: str | None = None, n_threads: int = 2) -> float:

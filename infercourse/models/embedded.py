@@ -17,7 +17,8 @@ from pathlib import Path
 
 from infercourse.core.errors import ModelLayerError
 
-__all__ = ["EMBEDDED_GGUF_NAME", "embedded_gguf", "cache_dir", "file_sha256", "ModelRef", "resolve_model"]
+__all__ = ["EMBEDDED_GGUF_NAME", "embedded_gguf", "cache_dir", "file_sha256", "ModelRef", "resolve_model",
+           "vocab_tokenizer"]
 
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -130,3 +131,23 @@ def _looks_mlx(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return "quantization" in cfg and "quantization_config" not in cfg
+
+
+def vocab_tokenizer(model: str | Path | None = None):
+    """Text -> token ids with a GGUF's own vocabulary (llama.cpp, no weights loaded): the
+    exact count for exact-length prompts, without paying for a model load.
+
+    Args:
+        model: a GGUF path or name (None: the embedded model).
+    """
+    import contextlib
+    import io
+
+    import llama_cpp
+    ref = resolve_model(model)
+    if ref.kind != "gguf":
+        raise ModelLayerError(f"{ref.path} is an {ref.kind} model; a vocabulary-only tokenizer needs a .gguf")
+    with contextlib.redirect_stderr(io.StringIO()):   # it warns about n_ctx even with verbose=False
+        vocab = llama_cpp.Llama(model_path=str(ref.path), vocab_only=True, verbose=False)
+    return lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+

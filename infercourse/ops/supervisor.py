@@ -67,7 +67,6 @@ class Supervisor:
                     log_tail=self.server.log_tail(5))
         t = time.perf_counter()
         self.server.stop()
-        self.server.pid = None          # the next start finds the new process
         self.server.start()
         self.restarts += 1
         took = time.perf_counter() - t
