@@ -54,8 +54,11 @@ def run_notebook(path: str | Path, out: str | Path = "build", *, timeout_s: int 
     os.environ["INFERCOURSE_RESULTS"] = str(env_results)  # inherited by the kernel
     t0 = time.perf_counter()
     try:
+        # the kernel's own start-up warnings (e.g. "running over TCP without encryption" on
+        # loopback) are about the harness, not the lesson: errors still show
         client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
-                                resources={"metadata": {"path": str(path.parent)}})
+                                resources={"metadata": {"path": str(path.parent)}},
+                                extra_arguments=["--IPKernelApp.log_level=ERROR"])
         try:
             client.execute()
         finally:
