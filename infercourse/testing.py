@@ -15,7 +15,7 @@ from typing import Any
 from infercourse.core.errors import ServerLayerError
 from infercourse.servers import free_port
 
-__all__ = ["SSESource"]
+__all__ = ["SSESource", "process_gone", "port_closed"]
 
 _SSE_SERVER = r"""
 import asyncio, json, sys
@@ -119,3 +119,28 @@ class SSESource:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def process_gone(pid: int, within_s: float) -> bool:
+    """True once `pid` has exited (or is a zombie awaiting its parent), polling for at most
+    `within_s` seconds: a deadline for "did it die at all", not a speed bound."""
+    import time
+
+    import psutil
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def port_closed(port: int) -> bool:
+    """True when nothing accepts connections on 127.0.0.1:`port`."""
+    import socket
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+

@@ -2,10 +2,8 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -13,25 +11,9 @@ import psutil
 import pytest
 
 from infercourse.ops import serve
+from infercourse.testing import port_closed, process_gone
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _closed(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
-
-
-def _gone(pid: int, within_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_help_lists_the_engines_and_knobs(capsys):
@@ -90,4 +72,4 @@ def test_serves_until_signalled_then_leaves_nothing(sig):
             proc.kill()
     assert proc.returncode == 0, rest
     assert "stopping llama-server" in rest
-    assert _gone(pid) and _closed(port)
+    assert process_gone(pid, 10.0) and port_closed(port)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ import infercourse.servers as servers
 from infercourse.core.types import generate
 from infercourse.engines.openai_http import OpenAIHTTPEngine
 from infercourse.core.errors import BackendMissingError, ModelLayerError, ServerLayerError
+from infercourse.testing import port_closed, process_gone
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,30 +47,13 @@ class Scripted(servers.Server):
         return [sys.executable, "-c", self.code]
 
 
-def _gone(pid, within_s=5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _refuses(port) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
-
-
 def test_start_stop_leaves_no_process():
     with StandIn() as srv:
         pids = (srv.pid, srv.proc.pid)
-        assert srv.pid and psutil.pid_exists(srv.pid) and not _refuses(srv.port)
+        assert srv.pid and psutil.pid_exists(srv.pid) and not port_closed(srv.port)
         assert srv.log_path.read_text().startswith("$ " + sys.executable)
         assert srv in servers.process._RUNNING
-    assert all(_gone(p, 1.0) for p in pids) and _refuses(srv.port)
+    assert all(process_gone(p, 1.0) for p in pids) and port_closed(srv.port)
     assert srv not in servers.process._RUNNING
 
 
@@ -85,7 +68,7 @@ def test_server_never_healthy_is_stopped_and_reported():
                    startup_timeout_s=1.5)
     with pytest.raises(ServerLayerError, match=r"(?s)not healthy .* after 2s.*still loading"):
         srv.start()
-    assert srv.pid and _gone(srv.pid, 1.0) and _gone(srv.proc.pid, 1.0)
+    assert srv.pid and process_gone(srv.pid, 1.0) and process_gone(srv.proc.pid, 1.0)
 
 
 def _spawn_parent(make_server: str) -> tuple[subprocess.Popen, int, int, int]:
@@ -112,13 +95,13 @@ KILL9_BOUND_S = 2 * GRACE_S + 30.0
 
 def _kill9_and_check(make_server: str, within_s: float = KILL9_BOUND_S) -> None:
     parent, pid, watchdog, port = _spawn_parent(make_server)
-    assert psutil.pid_exists(pid) and not _refuses(port)
+    assert psutil.pid_exists(pid) and not port_closed(port)
     os.kill(parent.pid, signal.SIGKILL)                      # a crashed kernel: no atexit
     parent.wait()
     t0 = time.monotonic()
-    assert _gone(pid, within_s), f"server {pid} survived its parent for {within_s:.0f}s"
+    assert process_gone(pid, within_s), f"server {pid} survived its parent for {within_s:.0f}s"
     print(f"\nserver gone {time.monotonic() - t0:.2f}s after kill -9 of its parent")
-    assert _gone(watchdog, within_s) and _refuses(port)
+    assert process_gone(watchdog, within_s) and port_closed(port)
 
 
 STANDIN_SRC = textwrap.dedent("""
@@ -163,7 +146,7 @@ def test_normal_exit_without_stop_runs_atexit():
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
-    assert _gone(int(out.stdout.strip()), 0.5)               # atexit stopped it before exit
+    assert process_gone(int(out.stdout.strip()), 0.5)               # atexit stopped it before exit
 
 
 def test_scrub_argv_hides_secret_values():
@@ -227,7 +210,7 @@ def test_llama_server_lifecycle_and_describe():
         info = srv.describe()
         c = generate(OpenAIHTTPEngine(srv.url), "Say hi.", max_tokens=8)
         pid = srv.pid
-    assert c.usage.completion_tokens >= 1 and _gone(pid, 1.0) and _refuses(srv.port)
+    assert c.usage.completion_tokens >= 1 and process_gone(pid, 1.0) and port_closed(srv.port)
     assert info["argv"][0] == info["binary"] and info["binary"].endswith("llama-server")
     assert info["argv"][info["argv"].index("-np") + 1] == "2" and "--metrics" in info["argv"]
     assert "version" in (info["version"] or "")
@@ -271,7 +254,7 @@ def test_mlx_server_streams_an_answer():
     with servers.MLXServer(folder) as srv:
         c = generate(srv.engine(), "Name a color.", max_tokens=12)
     assert c.text.strip() and c.usage.source == "server"      # mlx_lm.server sends usage
-    assert c.usage.completion_tokens <= 12 and c.n_tokens >= 1 and _gone(srv.pid, 1.0)
+    assert c.usage.completion_tokens <= 12 and c.n_tokens >= 1 and process_gone(srv.pid, 1.0)
 
 
 @pytest.mark.slow
@@ -291,4 +274,4 @@ def test_vllm_cpu_server_streams_exact_lengths():
     assert c.usage.source == "server" and c.usage.completion_tokens == 16 == c.n_tokens
     # no logprobs asked: one delta per token, checked against vLLM's usage at the end
     assert c.timings["chunk_tokens_from"] == "deltas" and c.timings["chunks_are_tokens"] is True
-    assert _gone(srv.pid, 1.0)
+    assert process_gone(srv.pid, 1.0)
