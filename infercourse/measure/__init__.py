@@ -10,4 +10,5 @@ their conditions, read peer tools' results, compute this machine's ceilings, and
 | `importers` | `vllm bench serve` and GuideLLM results onto our columns              |
 | `roofline`  | bandwidth and FLOP/s probes, and the ceilings they put on a model     |
 | `plots`     | one function a figure: DataFrame in, matplotlib Axes out              |
+| `noise`     | contention gate, interleaved A/B trials, A/A noise floor, verdicts    |
 """
