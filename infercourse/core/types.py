@@ -35,6 +35,8 @@ class Request:
         seed: sampling seed, recorded with every result.
         ignore_eos: force exactly `max_tokens` tokens where the engine supports it.
         cache_prompt: allow reuse of cached prefix state (prefix / prompt cache).
+        tools: tool schemas the model may call (OpenAI `{"type": "function", ...}` or
+            Anthropic `{"name", "input_schema"}`; HTTP engines convert between the two).
     """
 
     prompt: str | None = None
@@ -44,6 +46,7 @@ class Request:
     seed: int = 0
     ignore_eos: bool = False
     cache_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -107,7 +107,8 @@ class Workload:
 
 
 def _req_dict(r: Request) -> dict:
-    return {"prompt": r.prompt, "messages": r.messages, **r.sampling()}
+    tools = {"tools": r.tools} if r.tools else {}   # only when present: older hashes stay valid
+    return {"prompt": r.prompt, "messages": r.messages, **r.sampling(), **tools}
 
 
 # -- exact-length prompts -------------------------------------------------------------------
