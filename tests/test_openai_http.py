@@ -331,3 +331,27 @@ def test_llama_server_describe(llama):
     info = OpenAIHTTPEngine(llama.url).describe()
     assert info["served_models"] and info["props"]["total_slots"] == 4
     assert info["props"]["model_path"].endswith(".gguf")
+
+
+def test_streamed_tool_calls_are_joined_and_parsed():
+    """OpenAI `tool_calls` deltas (name first, arguments in pieces) become one parsed call;
+    each piece counts as a token, and a call written as text is flagged instead."""
+    from infercourse.engines.openai_stream import Parser
+    p = Parser("chat", "h:1", tool_names=["read_file"])
+    pieces = [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": ""}},
+              {"index": 0, "function": {"arguments": '{"path": '}}, {"index": 0, "function": {"arguments": '"a.py"}'}}]
+    for i, piece in enumerate(pieces):
+        chunk = {"choices": [{"index": 0, "delta": {"tool_calls": [piece]}}]}
+        assert p.feed(json.dumps(chunk), i).n_tokens == 1
+    p.feed(json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+                       "usage": {"prompt_tokens": 20, "completion_tokens": 3}}), 9)
+    p.feed("[DONE]", 10)
+    final = p.final(11)
+    assert final.timings["tool_calls"] == [{"id": "call_1", "name": "read_file", "input": {"path": "a.py"},
+                                            "arguments": '{"path": "a.py"}', "error": None}]
+    assert final.finish_reason == "tool_calls" and final.usage.source == "server"
+    q = Parser("chat", "h:1", tool_names=["read_file"])
+    q.feed(json.dumps({"choices": [{"index": 0, "delta": {"content": '{"name": "read_file", "arguments": {}}'},
+                                    "finish_reason": "stop"}]}), 0)
+    q.feed("[DONE]", 1)
+    assert q.final(2).timings["tool_call_as_text"] == '{"name":'

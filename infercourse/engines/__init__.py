@@ -7,6 +7,7 @@
 | `mlx`          | runtime: MLX-LM                         | Metal (Mac), CPU (Linux)   |
 | `http`         | API + server: any OpenAI-compatible one | llama-server, vLLM, SGLang, TGI, oMLX, mlx_lm.server, Ollama /v1 |
 | `ollama`       | API + server: Ollama's native API       | Ollama                     |
+| `anthropic`    | API + server: Anthropic Messages API    | llama-server, vLLM, Ollama (what coding agents such as Claude Code speak) |
 
 Backends import lazily: `ENGINES` maps a name to "module:Class" so that importing this
 package never imports torch or MLX.
@@ -27,6 +28,7 @@ ENGINES = {
     "mlx": "infercourse.engines.mlx_engine:MLXEngine",
     "http": "infercourse.engines.openai_http:OpenAIHTTPEngine",
     "ollama": "infercourse.engines.ollama:OllamaEngine",
+    "anthropic": "infercourse.engines.anthropic_http:AnthropicHTTPEngine",
 }
 
 

@@ -23,6 +23,7 @@ from infercourse.core.types import Event, Messages, Request, as_request
 from infercourse.engines.openai_stream import Parser as _Parser
 from infercourse.engines.openai_stream import json_or_text as _json_or_text
 from infercourse.engines.openai_stream import server_error as _server_error
+from infercourse.engines.tools import to_openai_tools, tool_names
 
 __all__ = ["OpenAIHTTPEngine"]
 
@@ -144,6 +145,8 @@ class OpenAIHTTPEngine:
         if self.api == "chat":
             body["messages"] = (request.messages if request.messages is not None
                                 else [{"role": "user", "content": request.prompt}])
+            if request.tools:   # llama-server needs --jinja (its default) to parse calls
+                body["tools"] = to_openai_tools(request.tools)
             if self.logprobs:
                 body["logprobs"] = True
         else:
@@ -177,7 +180,7 @@ class OpenAIHTTPEngine:
     def stream(self, request: Request | str | Messages, **overrides: Any) -> Iterator[Event]:
         """Yield one Event per chunk as it arrives, then the done Event."""
         req = as_request(request, **overrides)
-        body, parser = self.body(req), _Parser(self.api, self.where)
+        body, parser = self.body(req), _Parser(self.api, self.where, tool_names(req.tools))
         try:
             with connect_sse(self.client, "POST", self._url(), json=body) as source:
                 if source.response.status_code >= 400:
@@ -202,7 +205,7 @@ class OpenAIHTTPEngine:
                 opens one for this request only.
         """
         req = as_request(request, **overrides)
-        body, parser = self.body(req), _Parser(self.api, self.where)
+        body, parser = self.body(req), _Parser(self.api, self.where, tool_names(req.tools))
         own = client is None
         client = client or self.async_client(1)
         try:

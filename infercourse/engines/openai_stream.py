@@ -16,6 +16,10 @@ How each number is read, so a learner knows what to trust:
   one we fall back to our own count (source "client", prompt_tokens unknown: None).
 - **timings**: llama-server's per-request `timings` object (prompt_ms, cache_n...) is
   passed on verbatim, plus the response id and model.
+- **tool calls**: `delta.tool_calls` pieces (name first, then the arguments as string
+  fragments) are joined per call index and parsed at the end into `timings["tool_calls"]`;
+  each piece counts as a token, like a text delta. A call the model wrote as plain text
+  (no tool parsing on the server) is flagged in `timings["tool_call_as_text"]`.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from typing import Any
 
 from infercourse.core.errors import APILayerError, ContextLayerError, InferCourseError
 from infercourse.core.types import Event, Usage
+from infercourse.engines.tools import parse_arguments, text_tool_call
 
 __all__ = ["Parser", "server_error", "json_or_text", "CHUNKS_NOT_TOKENS"]
 
@@ -83,8 +88,10 @@ def _count_logprobs(lp: Any) -> int | None:
 class Parser:
     """Turns the JSON payloads of one SSE stream into Events (shared by sync and async)."""
 
-    def __init__(self, api: str, where: str):
-        self.api, self.where = api, where
+    def __init__(self, api: str, where: str, tool_names: list[str] | None = None):
+        self.api, self.where, self.tool_names = api, where, tool_names or []
+        self.calls: dict[int, dict[str, Any]] = {}  # streamed tool_calls, by index
+        self.text = ""
         self.events: list[Event] = []
         self.finished = False                      # saw data: [DONE]
         self.finish_reason: str | None = None
@@ -122,6 +129,7 @@ class Parser:
                 piece = delta.get("content") or ""
                 # reasoning models stream thinking apart from the answer: tokens, not text
                 thinking = delta.get("reasoning_content") or delta.get("reasoning") or ""
+                thinking += self._take_calls(delta.get("tool_calls"))   # tool input: tokens too
             else:
                 piece, thinking = choice.get("text") or "", ""
             k = _count_logprobs(choice.get("logprobs"))
@@ -136,9 +144,33 @@ class Parser:
                 self.finish_reason = choice["finish_reason"]
         if not text and n == 0:
             return None                            # role-only or usage-only chunk
+        self.text += text
         event = Event(t=t, text=text, n_tokens=n)
         self.events.append(event)
         return event
+
+    def _take_calls(self, pieces: Any) -> str:
+        got = ""
+        for piece in pieces or []:
+            call = self.calls.setdefault(piece.get("index", len(self.calls)), {"arguments": ""})
+            fn = piece.get("function") or {}
+            for key in ("id", "type"):
+                if piece.get(key):
+                    call[key] = piece[key]
+            if fn.get("name"):
+                call["name"] = fn["name"]
+            call["arguments"] += fn.get("arguments") or ""
+            got += (fn.get("name") or "") + (fn.get("arguments") or "")
+        return got
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """Calls received: id, name, arguments (text), input (parsed, None if it did not), error."""
+        out = []
+        for _, c in sorted(self.calls.items()):
+            value, error = parse_arguments(c["arguments"])
+            out.append({"id": c.get("id"), "name": c.get("name"), "input": value,
+                        "arguments": c["arguments"], "error": error})
+        return out
 
     def final(self, t: float) -> Event:
         if not self.finished:
@@ -165,6 +197,10 @@ class Parser:
         else:  # e.g. llama_cpp.server: no usage in streams; we cannot count the prompt
             usage = Usage(prompt_tokens=None, completion_tokens=counted, source="client")
         timings = dict(self.timings)
+        calls = self.tool_calls()
+        if calls or self.tool_names:
+            timings.update(tool_calls=calls,
+                           tool_call_as_text=None if calls else text_tool_call(self.text, self.tool_names))
         timings.update(chunk_tokens_from="+".join(sorted(self.sources)) or None,
                        client_token_count=counted, unstreamed_tokens=unstreamed,
                        chunks_are_tokens=chunks_are_tokens,

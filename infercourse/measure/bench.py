@@ -107,6 +107,9 @@ def salted(req: Request, salt: str) -> Request:
     if req.prompt is not None:
         return replace(req, prompt=f"{salt}\n{req.prompt}")
     first, *rest = req.messages
+    if isinstance(first["content"], list):   # Anthropic-style blocks: the salt is a block first
+        return replace(req, messages=[{**first, "content": [{"type": "text", "text": f"{salt}\n"},
+                                                            *first["content"]]}, *rest])
     return replace(req, messages=[{**first, "content": f"{salt}\n{first['content']}"}, *rest])
 
 
@@ -117,7 +120,16 @@ def warmup_request(req: Request, k: int = 0) -> Request:
     flip = lambda s: f"Warm-up {k}. " + " ".join(reversed(s.split()))  # noqa: E731
     if req.prompt is not None:
         return replace(req, prompt=flip(req.prompt))
-    return replace(req, messages=[{**m, "content": flip(m["content"])} for m in req.messages])
+    return replace(req, messages=[{**m, "content": _map_text(m.get("content"), flip)} for m in req.messages])
+
+
+def _map_text(content: Any, f) -> Any:
+    """`f` applied to a message's text; Anthropic-style content is a list of blocks whose
+    `text` / `content` fields are changed, their structure (tool_use ids) kept."""
+    if isinstance(content, list):
+        return [{**b, **{k: _map_text(b[k], f) for k in ("text", "content") if k in b}}
+                if isinstance(b, dict) else b for b in content]
+    return f(content) if isinstance(content, str) else content
 
 
 def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,

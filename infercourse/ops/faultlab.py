@@ -22,6 +22,9 @@ def layers_main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", help="a prompt to check against the context window (text, or @file)")
     p.add_argument("--max-tokens", type=int, default=0, help="tokens that prompt asks for (default 0)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds each probe may wait (default 5)")
+    p.add_argument("--api", choices=["openai", "anthropic"], default="openai",
+                   help="anthropic: also check the route coding agents take (POST /v1/messages streams "
+                        "every event type, count_tokens, a tool call parses)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     a = p.parse_args(argv)
     if bool(a.url) == bool(a.engine):
@@ -37,6 +40,9 @@ def layers_main(argv: list[str] | None = None) -> int:
     else:
         report = doctor_layers(a.url, pid=a.pid, log_path=a.log, prompt=prompt, max_tokens=a.max_tokens,
                                timeout_s=a.timeout)
+        if a.api == "anthropic":   # ops.anthropic_probe: the coding-agent route
+            from infercourse.ops.anthropic_probe import with_anthropic
+            report = with_anthropic(report, a.url, timeout_s=max(a.timeout, 30.0))
     print(report.to_json() if a.json else report)
     return 1 if report.failed else 0
 

@@ -1,0 +1,139 @@
+"""The Anthropic surface of a server: can a coding agent such as Claude Code talk to it?
+
+`doctor layers URL --api anthropic` adds three checks to the layer walk, each against
+what the agent will actually do:
+- `POST /v1/messages` answers and **streams the event types** an Anthropic client expects
+  (`message_start`, `content_block_start`, `content_block_delta`, `content_block_stop`,
+  `message_delta`, `message_stop`). A server without the route (`mlx_lm.server`) fails at
+  the **API layer**, and the report says what to put in front of it.
+- `POST /v1/messages/count_tokens` exists (agents size their context with it; a missing
+  one is a warning, not a failure).
+- **a tool call parses**: the probe offers one tool and asks for it (`tool_choice: any`);
+  it must come back as a `tool_use` block with JSON input. A call that arrives as text,
+  or a server that refuses tools (llama-server without `--jinja`: "tools param requires
+  --jinja flag"), fails at the **model layer**: the chat template decides whether tools
+  can be rendered and parsed.
+
+Probing talks to the server (`probe_messages`); grading is pure (`grade_messages`), so each
+rule is tested on synthetic evidence like the rest of the doctor.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from infercourse.core.errors import InferCourseError
+from infercourse.core.types import Request
+from infercourse.ops.layers import NEXT_STEP, LayerCheck, LayerReport
+
+__all__ = ["EXPECTED_EVENTS", "PROBE_TOOL", "probe_messages", "grade_messages", "with_anthropic",
+           "PROXY_HINT"]
+
+EXPECTED_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                   "message_delta", "message_stop")
+PROBE_TOOL = {"name": "get_time", "description": "Return the current UTC time.",
+              "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}},
+                               "required": ["zone"]}}
+PROXY_HINT = ("point the agent at a server that serves /v1/messages (llama-server, vLLM, Ollama), or put "
+              "a translating proxy in front of this one (LiteLLM, claude-code-router) that speaks "
+              "Anthropic to the agent and OpenAI to the server")
+_RANK = {"skip": 0, "ok": 1, "warn": 2, "fail": 3}
+
+
+def probe_messages(url: str, *, model: str | None = None, timeout_s: float = 5.0,
+                   max_tokens: int = 48) -> dict[str, Any]:
+    """Evidence of the Anthropic surface: one streamed tool request, one count_tokens.
+
+    Args:
+        url: server root, e.g. "http://127.0.0.1:8080".
+        model: model name to send (None: the server's only one, or "local-model").
+        timeout_s: seconds each read may wait (a cold prefill included).
+        max_tokens: output cap of the probe request.
+    """
+    from infercourse.engines.anthropic_http import AnthropicHTTPEngine
+    engine = AnthropicHTTPEngine(url, model=model, timeout=timeout_s,
+                                 extra_body={"tool_choice": {"type": "any"}})
+    req = Request(messages=[{"role": "user", "content": "What time is it in UTC? Call the tool."}],
+                  tools=[PROBE_TOOL], max_tokens=max_tokens)
+    ev: dict[str, Any] = {"url": url}
+    try:
+        final = list(engine.stream(req))[-1]
+        t = final.timings
+        ev["stream"] = {"ok": True, "event_types": t.get("event_types"), "stop_reason": t.get("stop_reason"),
+                        "usage_fields": t.get("usage_fields"), "tool_calls": t.get("tool_calls"),
+                        "tool_call_as_text": t.get("tool_call_as_text")}
+    except InferCourseError as e:
+        ev["stream"] = {"ok": False, "error": e.message, "error_layer": e.layer,
+                        "no_route": "no Anthropic Messages API" in e.message,
+                        "tools_refused": "jinja" in e.message.lower() or "tool" in e.message.lower()}
+    try:
+        ev["count_tokens"] = {"ok": True, "input_tokens": engine.count_tokens("How many tokens is this?")}
+    except InferCourseError as e:
+        ev["count_tokens"] = {"ok": False, "error": e.message}
+    finally:
+        engine.close()
+    return ev
+
+
+def _c(layer: str, status: str, summary: str, **evidence: Any) -> LayerCheck:
+    return LayerCheck(layer, status, summary, {k: v for k, v in evidence.items() if v is not None},
+                      NEXT_STEP[layer] if status in ("warn", "fail") else None)
+
+
+def grade_messages(ev: dict[str, Any]) -> tuple[LayerCheck, LayerCheck | None]:
+    """(API check, model check or None) from `probe_messages` evidence: pure."""
+    st, ct = ev.get("stream") or {}, ev.get("count_tokens") or {}
+    if not st.get("ok"):
+        if st.get("no_route"):
+            return (LayerCheck("API", "fail", "no Anthropic Messages API: POST /v1/messages is not served, "
+                               "so a coding agent (Claude Code) gets 'API Error' on its first call",
+                               {"error": st.get("error")}, PROXY_HINT), None)
+        if st.get("tools_refused") and st.get("error_layer") == "API":
+            return (_c("API", "ok", "/v1/messages answers"),
+                    _c("model", "fail", f"the server refused the tools: {str(st.get('error'))[:120]} "
+                       "(llama-server: start it with --jinja, and a chat template that renders tools)",
+                       error=st.get("error")))
+        return _c("API", "fail", f"/v1/messages failed: {str(st.get('error'))[:140]}", error=st.get("error"),
+                  error_layer=st.get("error_layer")), None
+    missing = [e for e in EXPECTED_EVENTS if e not in (st.get("event_types") or [])]
+    if missing:
+        return _c("API", "fail", f"/v1/messages streams without {', '.join(missing)}: an Anthropic client "
+                  "will not accept it", event_types=st.get("event_types")), None
+    note = "" if ct.get("ok") else "; no /v1/messages/count_tokens (agents that size context with it fall back)"
+    api = _c("API", "warn" if note else "ok", "/v1/messages streams every Anthropic event type" + note,
+             event_types=st.get("event_types"), count_tokens=ct.get("input_tokens"),
+             usage_fields=st.get("usage_fields"))
+    calls = st.get("tool_calls") or []
+    if calls and all(c.get("error") is None for c in calls):
+        return api, _c("model", "ok", f"tool call parsed: {calls[0].get('name')}({calls[0].get('input')})")
+    if calls:
+        return api, _c("model", "fail", f"tool call input is not JSON: {calls[0].get('error')}", calls=calls)
+    if st.get("tool_call_as_text"):
+        return api, _c("model", "fail", f"the tool call came back as text ({st['tool_call_as_text']!r}), "
+                       "not a tool_use block: the server did not parse it (llama-server: --jinja; a chat "
+                       "template with tool support)", marker=st["tool_call_as_text"])
+    return api, _c("model", "fail", "asked to call a tool, the model answered without one "
+                   f"(stop_reason {st.get('stop_reason')!r}): an agent would stall", stop_reason=st.get("stop_reason"))
+
+
+def with_anthropic(report: LayerReport, url: str, **kw: Any) -> LayerReport:
+    """`report` (from `layers.doctor_layers`) with the Anthropic checks merged in: each
+    replaces its layer's check when it is worse; the walk still stops at the first failure.
+
+    Args:
+        kw: passed to `probe_messages` (model=, timeout_s=).
+    """
+    api, model = grade_messages(probe_messages(url, **kw))
+    checks = list(report.checks)
+    for new in (api, model):
+        if new is None:
+            continue
+        i = next(k for k, c in enumerate(checks) if c.layer == new.layer)
+        old = checks[i]
+        if _RANK[new.status] >= _RANK[old.status] or old.status == "skip":
+            checks[i] = new
+    first = next((i for i, c in enumerate(checks) if c.status == "fail"), None)
+    if first is not None:   # the walk stops at the first failure, as in layers.grade
+        checks = checks[:first + 1] + [LayerCheck(c.layer, "skip", f"not reached (stopped at "
+                                                  f"{checks[first].layer})", c.evidence)
+                                       for c in checks[first + 1:]]
+    return LayerReport(report.target, checks, report.seconds)

@@ -1,0 +1,397 @@
+"""The Anthropic Messages route: parser, engine, workload, doctor checks.
+
+Fast tests read scripted streams in the forms llama-server, vLLM and Ollama document
+(their source: llama.cpp tools/server/server-task.cpp `to_json_anthropic*`, vLLM
+vllm/entrypoints/anthropic/serving.py, Ollama anthropic/anthropic.go) and check our
+shapes with the official `anthropic` SDK's types. Slow tests run a real llama-server.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from infercourse.core.errors import APILayerError, BackendMissingError, ContextLayerError
+from infercourse.core.types import Request
+from infercourse.engines import make_engine
+from infercourse.engines.anthropic_http import AnthropicHTTPEngine, to_anthropic_messages
+from infercourse.measure.agent_workload import APIS, coding_agent_session, static_block, tool_schemas
+from infercourse.ops.anthropic_probe import EXPECTED_EVENTS, grade_messages
+
+TOOL = {"name": "read_file", "description": "Read a file.",
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+
+
+def _ev(kind, **data):
+    return kind, {"type": kind, **data}
+
+
+def _text(i, s):
+    return _ev("content_block_delta", index=i, delta={"type": "text_delta", "text": s})
+
+
+def _json(i, s):
+    return _ev("content_block_delta", index=i, delta={"type": "input_json_delta", "partial_json": s})
+
+
+# llama-server: usage in message_start (input = prompt - cached), only output in message_delta
+LLAMA = [
+    _ev("message_start", message={"id": "m1", "type": "message", "role": "assistant", "content": [],
+                                  "model": "smol", "stop_reason": None, "stop_sequence": None,
+                                  "usage": {"cache_read_input_tokens": 90, "input_tokens": 10, "output_tokens": 0}}),
+    _ev("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+    _text(0, "I'll read it."), _text(0, " Now."),
+    _ev("content_block_start", index=1, content_block={"type": "tool_use", "id": "t1", "name": "read_file",
+                                                       "input": {}}),
+    _json(1, '{"path":'), _json(1, ' "a.py"}'),
+    _ev("content_block_stop", index=0), _ev("content_block_stop", index=1),
+    _ev("message_delta", delta={"stop_reason": "tool_use", "stop_sequence": None}, usage={"output_tokens": 4}),
+    _ev("message_stop"),
+]
+# vLLM: message_start carries the whole prompt as input_tokens, message_delta repeats usage;
+# no cache fields
+VLLM = [
+    _ev("message_start", message={"id": "chatcmpl-1", "type": "message", "role": "assistant", "content": [],
+                                  "model": "m", "stop_reason": None, "stop_sequence": None,
+                                  "usage": {"input_tokens": 100, "output_tokens": 0}}),
+    _ev("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+    _text(0, "Hello"), _text(0, " there"),
+    _ev("content_block_stop", index=0),
+    _ev("message_delta", delta={"stop_reason": "end_turn"}, usage={"input_tokens": 100, "output_tokens": 2}),
+    _ev("message_stop"),
+]
+# Ollama: a ping, zero usage at the start, the counts in message_delta; input in one piece
+OLLAMA = [
+    _ev("message_start", message={"id": "msg_1", "type": "message", "role": "assistant", "content": [],
+                                  "model": "qwen3-coder", "usage": {"input_tokens": 0, "output_tokens": 0}}),
+    _ev("ping"),
+    _ev("content_block_start", index=0, content_block={"type": "tool_use", "id": "call_1", "name": "read_file",
+                                                       "input": {}}),
+    _json(0, '{"path":"b.py"}'),
+    _ev("content_block_stop", index=0),
+    _ev("message_delta", delta={"stop_reason": "tool_use"}, usage={"input_tokens": 57, "output_tokens": 9}),
+    _ev("message_stop"),
+]
+AS_TEXT = [LLAMA[0], LLAMA[1], _text(0, '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}'),
+           _text(0, "\n</tool_call>"), _ev("content_block_stop", index=0),
+           _ev("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 3}), _ev("message_stop")]
+
+
+def _sse(events, stop=True) -> bytes:
+    return "".join(f"event: {k}\ndata: {json.dumps(d)}\n\n" for k, d in events
+                   if stop or k != "message_stop").encode()
+
+
+class _StandIn(BaseHTTPRequestHandler):
+    """Scripted replies; the first path segment picks the script (as in test_openai_http)."""
+
+    protocol_version = "HTTP/1.1"
+    bodies: list[dict] = []
+    scripts = {"llama": LLAMA, "vllm": VLLM, "ollama": OLLAMA, "astext": AS_TEXT}
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, status, body: bytes, ctype="text/event-stream"):
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(200, json.dumps({"data": [{"id": "stand-in"}]}).encode(), "application/json")
+
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length", 0))
+        body = json.loads(self.rfile.read(n))
+        _StandIn.bodies.append({"path": self.path, "headers": dict(self.headers), "body": body})
+        mode = self.path.split("/")[1]
+        if self.path.endswith("/count_tokens"):
+            self._send(200, b'{"input_tokens": 42}', "application/json")
+        elif mode in self.scripts:
+            self._send(200, _sse(self.scripts[mode]))
+        elif mode == "nomessages":        # mlx_lm.server: no such route
+            self._send(404, b'{"detail": "Not Found"}', "application/json")
+        elif mode == "ctx":               # llama-server's overflow reply, Anthropic-wrapped
+            self._send(400, json.dumps({"type": "error", "error": {"type": "exceed_context_size_error",
+                       "message": "request (9000 tokens) exceeds the available context size (8192 tokens)"}}
+                       ).encode(), "application/json")
+        elif mode == "miderror":
+            self._send(200, _sse(LLAMA[:3], stop=False) + b'event: error\ndata: {"type": "error", "error": '
+                       b'{"type": "api_error", "message": "slot crashed"}}\n\n')
+        elif mode == "nostop":
+            self._send(200, _sse(LLAMA, stop=False))
+
+
+@pytest.fixture(scope="module")
+def standin():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def _run(url, **kw):
+    eng = AnthropicHTTPEngine(url, model="m", **kw)
+    return list(eng.stream(Request(messages=[{"role": "user", "content": "hi"}], tools=[TOOL], max_tokens=8)))
+
+
+def test_llama_server_stream_usage_and_tool_use(standin):
+    events = _run(standin + "/llama")
+    final, chunks = events[-1], events[:-1]
+    assert "".join(e.text for e in chunks) == "I'll read it. Now."
+    assert [e.n_tokens for e in chunks] == [1, 1, 1, 1]            # tool input pieces count as tokens
+    assert all(a.t <= b.t for a, b in zip(events, events[1:]))
+    u = final.usage
+    assert (u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.source) == (100, 90, 4, "server")
+    assert final.finish_reason == "tool_calls" and final.timings["stop_reason"] == "tool_use"
+    assert final.timings["tool_calls"] == [{"id": "t1", "name": "read_file", "input": {"path": "a.py"},
+                                            "arguments": '{"path": "a.py"}', "error": None}]
+    assert final.timings["event_types"] == list(EXPECTED_EVENTS)
+
+
+def test_vllm_shape_whole_prompt_no_cache_fields(standin):
+    final = _run(standin + "/vllm")[-1]
+    assert (final.usage.prompt_tokens, final.usage.cached_tokens) == (100, None)
+    assert final.finish_reason == "stop" and final.usage.source == "server"
+
+
+def test_ollama_shape_usage_in_message_delta(standin):
+    final = _run(standin + "/ollama")[-1]
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (57, 9)
+    # one input piece for 9 tokens: chunks are not tokens, and the parser says so
+    assert final.usage.source == "server, chunks not tokens"
+    assert final.timings["tool_calls"][0]["input"] == {"path": "b.py"}
+    assert "ping" in final.timings["event_types"]
+
+
+def test_tool_call_written_as_text_is_flagged(standin):
+    final = _run(standin + "/astext")[-1]
+    assert final.timings["tool_calls"] == []
+    assert final.timings["tool_call_as_text"] == "<tool_call>"
+
+
+@pytest.mark.parametrize("mode, err, match", [
+    ("nomessages", APILayerError, "no Anthropic Messages API"),
+    ("ctx", ContextLayerError, "exceeds the available context"),
+    ("miderror", APILayerError, "slot crashed"),
+    ("nostop", APILayerError, "without message_stop"),
+])
+def test_failures_name_their_layer(standin, mode, err, match):
+    with pytest.raises(err, match=match) as info:
+        _run(standin + "/" + mode)
+    if mode == "miderror":
+        assert [e.text for e in info.value.partial] == ["I'll read it."]   # what arrived is kept
+    if mode == "nomessages":
+        assert "proxy" in info.value.hint
+
+
+def test_request_headers_body_and_count_tokens(standin):
+    eng = make_engine("anthropic", base_url=standin + "/llama", api_key="sk-test")
+    assert eng.count_tokens("hello") == 42
+    list(eng.stream(Request(messages=[{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "hi"}], max_tokens=5)))
+    sent = _StandIn.bodies[-1]
+    assert sent["path"] == "/llama/v1/messages"
+    assert sent["headers"]["anthropic-version"] == "2023-06-01" and sent["headers"]["x-api-key"] == "sk-test"
+    assert sent["body"]["system"] == "be brief" and sent["body"]["messages"] == [{"role": "user", "content": "hi"}]
+    assert sent["body"]["stream"] is True and sent["body"]["model"] == "stand-in"
+
+
+def test_openai_shaped_turns_convert_to_blocks():
+    system, msgs = to_anthropic_messages([
+        {"role": "system", "content": "S"}, {"role": "user", "content": "task"},
+        {"role": "assistant", "content": "ok", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": '{"pattern":"x"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py:1: x"}])
+    assert system == "S"
+    assert msgs[1]["content"][1] == {"type": "tool_use", "id": "c1", "name": "grep", "input": {"pattern": "x"}}
+    assert msgs[2] == {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                                    "content": "a.py:1: x"}]}
+
+
+# -- the workload -----------------------------------------------------------------------------
+def test_one_session_two_shapes_same_text():
+    a, o = (coding_agent_session(api=api, n_calls=4) for api in APIS)
+    assert len(a.requests) == len(o.requests) == 4 and a.offsets_s == o.offsets_s
+    sys_a = "".join(b["text"] for b in a.requests[3].messages[0]["content"])
+    assert sys_a == o.requests[3].messages[0]["content"]           # llama-server joins blocks as is
+    assert len(a.requests[3].tools) == len(o.requests[3].tools) == 15
+    blocks = [b["type"] for m in a.requests[3].messages[2:] for b in m["content"]]
+    assert blocks.count("tool_use") == blocks.count("tool_result") == 3
+    assert [m["role"] for m in o.requests[3].messages[2:]] == ["assistant", "tool"] * 3
+
+
+def test_header_variants_and_the_buster():
+    first = [r.messages[0]["content"][0]["text"] for r in coding_agent_session(n_calls=3).requests]
+    bust = [r.messages[0]["content"][0]["text"] for r in coding_agent_session(n_calls=3, bust=True).requests]
+    assert len(set(first)) == 1 and len(set(bust)) == 3
+    after = coding_agent_session(n_calls=2, bust=True, header="after").requests[1].messages[0]["content"]
+    assert after[0]["text"] == static_block() and "cache_control" in after[0]
+    none = coding_agent_session(n_calls=2, header="none").requests[1].messages[0]["content"]
+    assert len(none) == 1
+    assert coding_agent_session(n_calls=2, salt="s1").sha256 != coding_agent_session(n_calls=2, salt="s2").sha256
+
+
+def test_profiles_size_the_static_block():
+    from infercourse.measure.agent_workload import estimate_tokens
+    cpu, gpu = (estimate_tokens(static_block(p) + json.dumps(tool_schemas())) for p in ("cpu", "gpu"))
+    assert cpu < 4000 and 15000 <= gpu <= 25000
+    assert len(coding_agent_session(profile="gpu").requests) > len(coding_agent_session().requests)
+
+
+def test_warmup_and_salt_keep_block_structure():
+    from infercourse.measure.bench import salted, warmup_request
+    req = coding_agent_session(n_calls=3).requests[2]
+    warm = warmup_request(req, 0)
+    ids = lambda r: [b.get("id") or b.get("tool_use_id") for m in r.messages[1:]  # noqa: E731
+                     if isinstance(m["content"], list) for b in m["content"]]
+    assert ids(warm) == ids(req) and warm.messages[0]["content"][1]["text"] != req.messages[0]["content"][1]["text"]
+    assert salted(req, "abc").messages[0]["content"][0] == {"type": "text", "text": "abc\n"}
+
+
+# -- checked against the official SDK's types --------------------------------------------------
+def _sdk_validate(body):
+    """Validate a request body with the SDK's own types. Its TypedDicts type lists as
+    Iterable, which pydantic checks lazily, so each part is validated on its own."""
+    anthropic = pytest.importorskip("anthropic")
+    from anthropic.types.message_create_params import MessageCreateParamsStreaming
+    from pydantic import TypeAdapter
+    t = anthropic.types
+    TypeAdapter(MessageCreateParamsStreaming).validate_python(body)
+    for block in body["system"] if isinstance(body.get("system"), list) else []:
+        TypeAdapter(t.TextBlockParam).validate_python(block)
+    for tool in body.get("tools", []):
+        TypeAdapter(t.ToolParam).validate_python(tool)
+    for m in body["messages"]:
+        TypeAdapter(t.MessageParam).validate_python(m)
+        for block in m["content"] if isinstance(m["content"], list) else []:
+            TypeAdapter(t.ContentBlockParam).validate_python(block)
+
+
+def test_our_request_is_a_valid_sdk_request():
+    eng = AnthropicHTTPEngine("http://127.0.0.1:9", model="local-model")
+    body = eng.body(coding_agent_session(n_calls=4).requests[3])
+    _sdk_validate(body)
+    for bad in ({"role": "robot", "content": "x"}, {"role": "user", "content": [{"type": "tool_use", "id": "x"}]}):
+        with pytest.raises(Exception):   # the check does bite: a wrong role, a block missing fields
+            _sdk_validate({**body, "messages": [bad]})
+
+
+@pytest.mark.parametrize("script", [LLAMA, VLLM, OLLAMA])
+def test_documented_streams_parse_as_sdk_events(script):
+    anthropic = pytest.importorskip("anthropic")
+    from pydantic import TypeAdapter
+    adapter = TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    for kind, data in script:
+        if kind != "ping":
+            assert adapter.validate_python(data).type == kind
+
+
+# -- the doctor's grading (pure) ---------------------------------------------------------------
+def test_grade_no_route_fails_at_api_with_the_fix():
+    api, model = grade_messages({"stream": {"ok": False, "no_route": True, "error": "404"}})
+    assert (api.layer, api.status, model) == ("API", "fail", None) and "proxy" in api.next_step
+
+
+def test_grade_tool_call_as_text_fails_at_model():
+    ok_stream = {"ok": True, "event_types": list(EXPECTED_EVENTS), "tool_calls": [],
+                 "tool_call_as_text": "<tool_call>"}
+    api, model = grade_messages({"stream": ok_stream, "count_tokens": {"ok": True, "input_tokens": 9}})
+    assert api.status == "ok" and (model.layer, model.status) == ("model", "fail")
+    api, _ = grade_messages({"stream": {**ok_stream, "event_types": ["message_start"]}, "count_tokens": {}})
+    assert api.status == "fail" and "message_stop" in api.summary
+    good = {**ok_stream, "tool_calls": [{"name": "get_time", "input": {"zone": "UTC"}, "error": None}]}
+    api, model = grade_messages({"stream": good, "count_tokens": {"ok": False}})
+    assert api.status == "warn" and model.status == "ok"
+
+
+# -- against a real llama-server ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama():
+    from infercourse.servers import LlamaServer
+    try:
+        srv = LlamaServer(n_parallel=1, ctx_size=8192, threads=1, jinja=True)
+    except BackendMissingError as exc:
+        pytest.skip(f"llama-server not installed: {exc}")
+    with srv:
+        yield srv
+
+
+def _evaluated(url) -> float:
+    from infercourse.ops.probes import parse_metrics
+    return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)["llamacpp:prompt_tokens_total"]
+
+
+@pytest.mark.slow
+def test_llama_server_streams_every_event_type_and_counts_tokens(llama):
+    eng = AnthropicHTTPEngine(llama.url)
+    req = Request(messages=[{"role": "system", "content": "You are terse."},
+                            {"role": "user", "content": "Name three colours."}], max_tokens=12)
+    final = list(eng.stream(req))[-1]
+    assert set(EXPECTED_EVENTS) <= set(final.timings["event_types"])
+    assert final.usage.source == "server" and final.usage.completion_tokens >= 1
+    assert eng.count_tokens(req) == final.usage.prompt_tokens      # two routes to one count
+
+
+@pytest.mark.slow
+def test_llama_server_tool_use_parses(llama):
+    eng = AnthropicHTTPEngine(llama.url, extra_body={"tool_choice": {"type": "any"}})
+    final = list(eng.stream(Request(messages=[{"role": "user", "content": "Read a.py"}], tools=[TOOL],
+                                    max_tokens=48)))[-1]
+    calls = final.timings["tool_calls"]
+    assert calls and calls[0]["name"] == "read_file" and isinstance(calls[0]["input"], dict)
+    assert final.finish_reason == "tool_calls"
+
+
+@pytest.mark.slow
+def test_llama_server_cached_tokens_match_metrics(llama):
+    eng = AnthropicHTTPEngine(llama.url)
+    work = coding_agent_session(n_calls=3, max_tokens=4)
+    assert eng.count_tokens(coding_agent_session().requests[-1]) + 64 <= 8192   # cpu default fits
+    for req in work.requests:
+        before = _evaluated(llama.url)
+        final = list(eng.stream(req))[-1]
+        evaluated = _evaluated(llama.url) - before
+        # an independent count: the tokens the server says it evaluated are the ones not cached
+        assert final.usage.prompt_tokens - final.usage.cached_tokens == evaluated
+    assert final.usage.cached_tokens > 0.8 * final.usage.prompt_tokens        # later calls reuse the prefix
+    busted = coding_agent_session(n_calls=2, max_tokens=4, bust=True, salt="t").requests[1]
+    final = list(eng.stream(busted))[-1]
+    assert final.usage.cached_tokens < 30    # a new header at the top: nothing past it is reused
+
+
+@pytest.mark.slow
+def test_official_sdk_accepts_the_stream(llama):
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=llama.url, api_key="local", max_retries=0)
+    with client.messages.stream(model="local-model", max_tokens=8,
+                                messages=[{"role": "user", "content": "Say hi."}]) as stream:
+        message = stream.get_final_message()
+    assert message.type == "message" and message.usage.output_tokens >= 1
+    assert message.usage.cache_read_input_tokens is not None
+
+
+@pytest.mark.slow
+def test_openai_tool_calls_on_the_same_server(llama):
+    from infercourse.engines.openai_http import OpenAIHTTPEngine
+    eng = OpenAIHTTPEngine(llama.url, extra_body={"tool_choice": "required"})
+    final = list(eng.stream(Request(messages=[{"role": "user", "content": "Read a.py"}], tools=[TOOL],
+                                    max_tokens=48)))[-1]
+    assert final.timings["tool_calls"][0]["name"] == "read_file"
+    assert final.timings["tool_calls"][0]["error"] is None
+
+
+@pytest.mark.slow
+def test_doctor_anthropic_route_healthy_then_without_jinja(llama):
+    from infercourse.ops.anthropic_probe import probe_messages
+    from infercourse.servers import LlamaServer
+    api, model = grade_messages(probe_messages(llama.url, timeout_s=120))
+    assert (api.status, model.status) == ("ok", "ok")
+    with LlamaServer(n_parallel=1, ctx_size=2048, threads=1, jinja=False) as plain:
+        api, model = grade_messages(probe_messages(plain.url, timeout_s=120))
+    assert model is not None and model.status == "fail"
