@@ -21,7 +21,8 @@ from pathlib import Path
 
 __all__ = ["bench_main", "report_main", "parse_slos"]
 
-WORKLOADS = ("fixed", "shared-prefix", "shared-prefix-timestamp", "shared-prefix-reordered", "agentic")
+WORKLOADS = ("fixed", "shared-prefix", "shared-prefix-timestamp", "shared-prefix-reordered", "agentic",
+             "coding-agent")
 
 
 def _positive(kind):
@@ -83,7 +84,9 @@ def bench_parser() -> argparse.ArgumentParser:
     g.add_argument("--url", help="server root for --engine http, e.g. http://127.0.0.1:8080")
     g.add_argument("--model", help="llamacpp: a .gguf path (default: the embedded SmolLM2-135M); "
                                    "http: the served model name (default: the server's only model)")
-    g.add_argument("--api", choices=["chat", "completions"], default="chat", help="HTTP API (default chat)")
+    g.add_argument("--api", choices=["chat", "completions", "openai", "anthropic"], default="chat",
+                   help="HTTP API (default chat; openai = chat): anthropic sends POST /v1/messages, the "
+                        "Anthropic Messages API coding agents speak (llama-server, vLLM, Ollama)")
     g.add_argument("--threads", type=_positive(int), help="llamacpp CPU threads (default: physical cores)")
     g.add_argument("--n-ctx", type=_positive(int), default=8192, help="llamacpp context window (default 8192)")
     g.add_argument("--allow-remote", action="store_true", help="permit a server that is not on loopback")
@@ -108,7 +111,9 @@ def bench_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=WORKLOADS, default="fixed",
                    help="fixed: prompts of exactly --prompt-tokens tokens; shared-prefix[-variant]: "
-                        "one long system prompt, many tasks; agentic: the recorded coding session")
+                        "one long system prompt, many tasks; agentic: the recorded coding session; "
+                        "coding-agent: that session as a coding agent sends it (system blocks, 15 "
+                        "tools, tool_use/tool_result turns) in the shape of --api")
     g.add_argument("--prompt-tokens", type=_positive(int), default=64,
                    help="prompt length for --workload fixed (default 64), counted by the model's own "
                         "tokenizer: in process, the engine's; over HTTP, the server's /tokenize "
@@ -186,6 +191,10 @@ def _workload(a: argparse.Namespace, engine, salt: str | None):
     from infercourse.core.types import Request
     if a.workload == "agentic":
         return wl.agentic_workload()
+    if a.workload == "coding-agent":   # one session, rendered for the API being measured
+        from infercourse.measure.agent_workload import coding_agent_session
+        return coding_agent_session(api="anthropic" if a.api == "anthropic" else "openai",
+                                    n_calls=a.requests)
     if a.workload.startswith("shared-prefix"):
         variant = {"shared-prefix": "shared", "shared-prefix-timestamp": "timestamp",
                    "shared-prefix-reordered": "reordered_tools"}[a.workload]
@@ -243,9 +252,16 @@ def bench_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     _check(p, a)
     from infercourse.measure import bench
-    if a.engine == "http":
+    if a.api == "anthropic" and (a.ignore_eos or a.logprobs):
+        p.error("--api anthropic: the Messages API has no field for --ignore-eos or --logprobs")
+    if a.engine == "http" and a.api == "anthropic":
+        from infercourse.engines.anthropic_http import AnthropicHTTPEngine
+        engine = AnthropicHTTPEngine(a.url, model=a.model,
+                                     api_key=a.api_key or os.environ.get("ANTHROPIC_API_KEY") or None)
+    elif a.engine == "http":
         from infercourse.engines.openai_http import OpenAIHTTPEngine
-        engine = OpenAIHTTPEngine(a.url, model=a.model, api=a.api, logprobs=a.logprobs,
+        engine = OpenAIHTTPEngine(a.url, model=a.model, api="chat" if a.api == "openai" else a.api,
+                                  logprobs=a.logprobs,
                                   api_key=a.api_key or os.environ.get("OPENAI_API_KEY") or None)
     else:
         from infercourse.engines.llamacpp import LlamaCppEngine

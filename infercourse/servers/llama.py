@@ -65,15 +65,17 @@ class LlamaServer(Server):
             (`--cache-ram`; None: llama-server's default, 0: off).
         extra_args: further flags, e.g. ("--cache-reuse", "256") to reuse cached chunks
             that moved within the prompt (KV shifting).
+        jinja: True `--jinja`, False `--no-jinja` (None: the build's default, on in this one):
+            the Jinja chat-template engine, which renders tools and parses tool calls.
     """
 
     name = "llama-server"
 
     def __init__(self, model: str | Path | None = None, n_parallel: int = 4, ctx_size: int = 4096,
                  threads: int | None = None, cache_ram_mib: int | None = None,
-                 extra_args: Sequence[str] = (), **kw: Any):
+                 extra_args: Sequence[str] = (), jinja: bool | None = None, **kw: Any):
         self.model_path, self.binary = _gguf(model), llama_server_binary()
-        self.n_parallel, self.ctx_size, self.threads = n_parallel, ctx_size, threads
+        self.n_parallel, self.ctx_size, self.threads, self.jinja = n_parallel, ctx_size, threads, jinja
         self.cache_ram_mib = cache_ram_mib
         self.extra_args = list(extra_args)
         super().__init__(**kw)
@@ -85,6 +87,8 @@ class LlamaServer(Server):
             argv += ["-t", self.threads]
         if self.cache_ram_mib is not None:
             argv += ["--cache-ram", self.cache_ram_mib]
+        if self.jinja is not None:
+            argv.append("--jinja" if self.jinja else "--no-jinja")
         return [str(a) for a in argv + self.extra_args]
 
 
