@@ -57,6 +57,7 @@ import psutil
 from infercourse.core.errors import APILayerError, EngineLayerError, ServerLayerError
 from infercourse.core.trace import RequestTrace
 from infercourse.core.types import Request
+from infercourse.measure.server_samples import ServerSampler, sampled_summary
 from infercourse.measure.loadgen import (
     State,
     constant_schedule,
@@ -69,7 +70,8 @@ from infercourse.measure.loadgen import (
 )
 
 __all__ = ["BenchResult", "run", "sweep", "replay", "constant_schedule", "poisson_schedule",
-           "loop_in_thread", "new_salt", "salted", "warmup_request", "PATTERNS", "MAX_REQUESTS"]
+           "loop_in_thread", "new_salt", "salted", "warmup_request", "start_sampler", "PATTERNS",
+           "MAX_REQUESTS"]
 
 PATTERNS = ("sequential", "concurrency", "rate", "poisson", "replay")
 MAX_REQUESTS = 100_000          # a hard bound: no run is open-ended
@@ -132,13 +134,19 @@ def _map_text(content: Any, f) -> Any:
     return f(content) if isinstance(content, str) else content
 
 
+def start_sampler(engine, out: Path, interval_s: float | None):
+    """A started `ServerSampler` on the engine's server, or None (no URL, or off)."""
+    root = getattr(engine, "root", None)
+    return ServerSampler(root, None, out, interval_s=interval_s).start() if root and interval_s else None
+
+
 def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
         rate_rps: float | None = None, offsets_s: Sequence[float] | None = None, seed: int = 0,
         warmup: int = 1, max_requests: int | None = None, max_duration_s: float | None = None,
         ignore_eos: bool | None = None, max_in_flight: int = 256, out_dir: str | Path | None = None,
         label: str | None = None, progress: bool = True, allow_remote: bool = False,
         conditions: dict[str, Any] | None = None, salt: bool | str | None = None,
-        write_inline: bool = False) -> BenchResult:
+        write_inline: bool = False, sample_s: float | None = 1.0) -> BenchResult:
     """Run one load pattern against an engine and record every request.
 
     Args:
@@ -159,6 +167,8 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
         salt: None salts every prompt with a fresh per-run salt unless the workload is a
             cache workload (or no request allows caching); True / False force it; a string
             is used as the salt (e.g. prompts built to an exact length with it included).
+        sample_s: sample the server's /metrics, /slots and GPU every this many seconds
+            into samples.jsonl, summarised in the manifest (HTTP engines; None: off).
         write_inline: encode, fsync and update the progress bar on the event loop instead
             of the writer thread (only to measure what that costs: writer_overhead.py).
     """
@@ -230,6 +240,8 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
     if not write_inline:
         writer.start_thread(on_written=pbar.update)
     st, status = State(writer, pbar, inline=write_inline), "ok"
+    sampler = start_sampler(engine, out, sample_s) if is_async else None
+    st.on_start = sampler.sample if sampler else None   # counters from the end of warm-up
     try:
         if is_async:
             if loop_in_thread(lambda: run_async(engine, reqs, offsets, concurrency, max_in_flight,
@@ -247,6 +259,9 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
         notes += self_check(df, cpu_frac, is_async, st, max_in_flight, offsets is not None) if len(df) else []
         if st.stop_reason:
             notes.append(f"run stopped early: {st.stop_reason} after {len(st.traces)} of {n} requests")
+        if sampler:
+            sampler.stop(final_sample=True)
+            writer.manifest["server_samples"] = sampled_summary(sampler.rows)
         writer.manifest.update(warnings=notes, client={"cpu_frac_of_core": cpu_frac, "wall_s": wall,
                                "cpu_includes_engine": not is_async, "max_in_flight": st.max_in_flight},
                                stopped=st.stop_reason)

@@ -31,7 +31,7 @@ from infercourse.core.trace import RequestTrace, record, trace_from_events
 from infercourse.core.types import Request
 
 __all__ = ["constant_schedule", "poisson_schedule", "loop_in_thread", "run_async", "run_sync",
-           "self_check", "server_address", "State", "incomplete_trace"]
+           "self_check", "server_address", "State", "incomplete_trace", "send_one"]
 
 
 # -- schedules: offsets in seconds from the start of the run ---------------------------------
@@ -69,7 +69,10 @@ class State:
         self.server_error: BaseException | None = None
 
     def start(self) -> float:
-        """Mark the end of warm-up: the run's clock and the client's CPU count start here."""
+        """Mark the end of warm-up: the run's clock and the client's CPU count start here.
+        `on_start` (if set) runs first: a server sample whose counters exclude the warm-up."""
+        if getattr(self, "on_start", None):
+            self.on_start()
         self.t0, self.cpu0 = time.perf_counter(), sum(psutil.Process().cpu_times()[:2])
         return self.t0
 
@@ -137,6 +140,9 @@ async def _one(engine, client, i: int, req: Request, scheduled_t: float, st: Sta
     finally:
         st.in_flight -= 1
     st.done(tr)
+
+
+send_one = _one   # one request on the loop, recorded into State (sessions send turn by turn)
 
 
 def _never_sent(i: int, due: float, st: State, cap: int, tags: dict) -> RequestTrace:

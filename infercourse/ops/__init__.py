@@ -7,6 +7,7 @@ soaking, and finding the layer at fault.
 | `profiles`    | cpu / mac / gpu sizes for every phase-3/4 lesson                         |
 | `logs`        | native (C/C++) logs to a file, never into the notebook                   |
 | `serve`       | `infercourse serve`: one server in the foreground                        |
+| `routes`      | one route (engine + what stands in front) opened alike for every run     |
 | `sampling`    | a server watched over time: RSS, KV cache, queue                         |
 | `supervisor`  | notice a dead server, restart it, count                                  |
 | `soak`        | `infercourse soak`: bounded long runs, drift with an interval            |

@@ -35,10 +35,10 @@ from infercourse.core.types import Request
 from infercourse.measure.loadgen import State, loop_in_thread, poisson_schedule, run_async, server_address
 from infercourse.measure.results import RunWriter, load_run
 from infercourse.measure.workloads import Workload, agentic_workload
-from infercourse.ops.sampling import ServerSampler, load_samples, soak_summary
+from infercourse.ops.sampling import ServerSampler, headline, load_samples, soak_summary
 from infercourse.ops.supervisor import EVENTS, Supervisor, kill_server
 
-__all__ = ["SoakResult", "soak", "soak_workload", "soak_summary", "parse_duration",
+__all__ = ["SoakResult", "soak", "soak_workload", "soak_summary", "headline", "parse_duration",
            "default_interval"]
 
 _SHORT = ("What is a KV cache, in one sentence?", "Name two sorting algorithms.",
@@ -104,7 +104,7 @@ class _Lazy(Sequence):
 class _SoakState(State):
     """bench's request state, numbering requests across rounds (one per server life)."""
 
-    def __init__(self, writer, counter, round_: int, on_done):
+    def __init__(self, writer, counter, round_: int, on_done, deadline: float = float("inf")):
         class _Quiet:
             def update(self, n):
                 pass
@@ -112,11 +112,15 @@ class _SoakState(State):
             super().__init__(writer, _Quiet(), inline=True)
         except TypeError:   # a State without the writer-thread option writes inline anyway
             super().__init__(writer, _Quiet())
-        self.counter, self.round, self.on_done = counter, round_, on_done
+        self.counter, self.round, self.on_done, self.deadline = counter, round_, on_done, deadline
 
     def done(self, tr) -> None:
         tr.request_id = next(self.counter)
         tr.tags["round"] = self.round
+        if tr.status == "error" and time.perf_counter() >= self.deadline:
+            # failed after the soak's window closed (its shutdown, or a drill that fired too
+            # late to be recovered): cut off by the end, not a failure of the server's service
+            tr.status, tr.error = "incomplete", f"incomplete: cut at the soak's end ({tr.error})"
         super().done(tr)
         self.on_done(tr)
 
@@ -206,6 +210,7 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
     def tally(tr) -> None:
         counts["ok" if tr.status == "ok" else "error"] += 1
         if sup and tr.status == "ok" and counts["ok"] == kill_after_ok:
+            sup._event("drill_kill", pid=server.pid, after_ok=kill_after_ok)   # when the drill fired, on the soak clock
             kill_server(server)
 
     sampler = ServerSampler(url, (lambda: server.pid) if sup else (lambda: None), out,
@@ -217,7 +222,8 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
             e["t_s"] -= t0 - sup.t0
         sup.t0 = t0
         sup._event("soak_start", pid=server.pid, port=server.port)
-    killers = [threading.Timer(k, kill_server, (server,)) for k in kill_at_s if sup]
+    killers = [threading.Timer(k, lambda: (sup._event("drill_kill", pid=server.pid), kill_server(server)))
+               for k in kill_at_s if sup]
     counter, addr, rnd, stop = itertools.count(), server_address(engine), 0, None
     n_cap = 100_000
     reqs = _Lazy(n_cap, lambda i: base[i % len(base)])
@@ -230,7 +236,7 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
         for k in killers:
             k.start()
         while (left := duration_s - (time.perf_counter() - t0)) > 0:
-            st = _SoakState(writer, counter, rnd, tally)
+            st = _SoakState(writer, counter, rnd, tally, deadline=t0 + duration_s)
             tags = _Lazy(n_cap, lambda i: {"pattern": load["pattern"], "concurrency": concurrency,
                                            "req_index": i % len(base)})
             round_reqs, offs = reqs, None
@@ -317,7 +323,10 @@ def soak_main(argv: list[str] | None = None) -> int:
     try:
         if not a.url:
             from infercourse.servers import LlamaServer
-            srv = LlamaServer(a.model, n_parallel=a.parallel, ctx_size=a.ctx, threads=a.threads)
+            # --cache-ram 0: the host prompt cache (8 GiB by default) keeps idle slots' prompts in RAM,
+            # a growth of RSS a soak would report as a leak (notebook 14, prompt_cache_step)
+            srv = LlamaServer(a.model, n_parallel=a.parallel, ctx_size=a.ctx, threads=a.threads,
+                              extra_args=["--cache-ram", "0"])
         r = soak(a.url or srv, soak_workload(a.workload, max_calls=a.max_calls or None), duration_s=duration,
                  concurrency=a.concurrency, rate_rps=a.rate, interval_s=a.interval, out_dir=a.out,
                  label=a.label, kill_at_s=a.kill_at, kill_after_ok=a.kill_after, max_restarts=a.max_restarts,
@@ -328,6 +337,7 @@ def soak_main(argv: list[str] | None = None) -> int:
     finally:
         if srv is not None:
             srv.stop()
+    print(headline(r.summary))
     for k, v in r.summary.items():
         print(f"  {k:<22} {v:.4g}" if isinstance(v, float) else f"  {k:<22} {v}")
     print(f"results: {r.dir}  (infercourse report {r.dir})")
