@@ -113,16 +113,19 @@ def test_llamacpp_route_measures_every_column(tmp_path):
     assert runs["llama.cpp in process"].manifest["fair"]["threads"] == 1
 
 
-def test_explain_pairs_calls_and_calls_noise_noise(tmp_path):
+def test_explain_says_the_server_cost_only_from_the_interleaved_comparison(tmp_path):
+    from infercourse.measure import noise
     base = _run(tmp_path / "a", "llama.cpp in process", ttfts=[0.10, 0.20, 0.30])
     slower = _run(tmp_path / "b", "llama-server", ttfts=[0.11, 0.22, 0.31])
-    noisy = _run(tmp_path / "c", "llama-server", ttfts=[0.05, 0.25, 0.30])
     rows = pd.DataFrame({"ran": [True, True], "decode_tok_per_s": [20.0, 19.0], "quantization": ["Q4_1"] * 2,
                          "cache_hit": [0.5, 0.5], "memory_mb": [100.0, 120.0], "why": ["", ""]},
                         index=["llama.cpp in process", "llama-server"])
     text = fair.explain(rows, {"llama.cpp in process": base, "llama-server": slower}, 5.0)
-    assert "adds 10 ms to TTFT (every call: +10 to +20 ms)" in text
-    text = fair.explain(rows, {"llama.cpp in process": slower, "llama-server": base}, 5.0)
-    assert "reaches the first token 10 ms sooner than in process (every call: -20 to -10 ms" in text
-    text = fair.explain(rows, {"llama.cpp in process": base, "llama-server": noisy}, 5.0)
-    assert "nothing we can separate from this machine's noise (per call: -50 to +50 ms)" in text
+    assert "no verdict here" in text and "sooner" not in text and "adds" not in text   # one run each: no claim
+    a, a2 = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95], [1.02, 1.08, 0.93, 0.98, 1.04, 0.97]
+    floor = noise.noise_floor(a, a2)
+    far = {"floor": floor, "comparison": noise.compare(a, [2 * x for x in a], floor, labels=("in process", "llama-server"))}
+    assert "**in process faster**" in fair.explain(rows, {}, 5.0, paired=far)
+    near = {"floor": floor, "comparison": noise.compare(a, a2, floor, labels=("in process", "llama-server"))}
+    text = fair.explain(rows, {}, 5.0, paired=near)
+    assert "**within noise**" in text and "A/A noise floor" in text

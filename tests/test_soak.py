@@ -1,12 +1,14 @@
 """The soak: samplers and drift on recorded data; short soaks against a real llama-server,
 one of them with the server killed mid-run (restart counted, nothing measured lost)."""
 import json
+import math
 import os
 import signal
 import threading
 import time
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from infercourse.core.types import Request
@@ -168,5 +170,25 @@ def test_crash_drill_after_n_answers(server, tmp_path):
                   out_dir=tmp_path / "soak", progress=False)
     crash = next(e for e in r.events if e["event"] == "crash")
     assert r.summary["restarts"] == 1 and crash["pid"] != server.pid
+    assert 0 < r.summary["drill_at_s"] <= crash["t_s"]                # the drill fired, and said when
     first_life = r.df[r.df["round"] == 0]
     assert (first_life["status"] == "ok").sum() == 2                  # killed right after the 2nd answer
+
+
+def test_soak_summary_names_crash_rate_error_rate_and_uptime_with_units():
+    from infercourse.ops.sampling import headline, soak_summary
+    df = pd.DataFrame({"status": ["ok", "ok", "error", "incomplete"], "ttft_s": [0.1, 0.2, None, None],
+                       "e2e_s": [1.0, 1.1, None, None], "prompt_tokens": [10, 10, None, None],
+                       "cached_tokens": [0, 5, None, None], "output_tokens": [4, 4, 0, 0],
+                       "scheduled_t": [0.0, 1.0, 2.0, 3.0], "end_t": [1.0, 2.1, 2.5, 3.5]})
+    samples = pd.DataFrame({"t_s": [0.0, 1.0, 2.0, 3.0], "up": [True, False, True, True], "rss_mib": 100.0,
+                            "pid": [1, 1, 2, 2]})
+    events = [{"t_s": 1.0, "event": "drill_kill"}, {"t_s": 1.2, "event": "crash"},
+              {"t_s": 1.8, "event": "restart", "took_s": 0.6}]
+    s = soak_summary(df, samples, events, duration_s=360.0)
+    assert s["crashes"] == 1 and s["crash_rate_per_h"] == pytest.approx(10.0)      # 1 crash in 0.1 h
+    assert s["incomplete_at_end"] == 1 and s["error_rate_pct"] == pytest.approx(100 / 3)   # cut-off not counted
+    assert s["uptime_pct"] == pytest.approx(75.0) and s["drill_at_s"] == 1.0
+    line = headline(s)
+    assert "crash rate 10 /h" in line and "error rate 33.3 % of 3 requests" in line and "uptime 75.0 %" in line
+    assert math.isnan(soak_summary(df, samples, [], 360.0)["drill_at_s"])      # no drill: said, not assumed

@@ -52,3 +52,33 @@ def test_plot_marks_restarts_on_every_panel():
 def test_recipe_is_one_parameter_away():
     cmd = stability.recipe("72h")
     assert "--duration 72h" in cmd and "infercourse report soak-72h" in cmd
+
+
+def _drill(summary, events=None, df=None):
+    r = _result()
+    r.summary = {"duration_s": 20.0, "restarts": 1, **summary}
+    if events is not None:
+        r.events = events
+    if df is not None:
+        r.df = df
+    return r
+
+
+def test_drill_story_is_read_from_the_run_never_assumed():
+    assert "No crash drill" in stability.drill_story(_drill({}), None)
+    none = stability.drill_story(_drill({"drill_at_s": float("nan")}), 5)
+    assert "did not fire" in none and "3 request(s) were answered" in none and "KILL_AFTER = 5" in none
+    fired = stability.drill_story(_drill({"drill_at_s": 9.5}), 1)
+    assert "fired at 9.5 s" in fired and "cost 1 request(s)" in fired and "restarted the server in 0.6 s" in fired
+    assert "1 request(s) answered after the restart" in fired          # the ok at t = 12 s
+    late = stability.drill_story(_drill({"drill_at_s": 19.9, "restarts": 0}, events=[]), 1)
+    assert "not observed" in late and "restarts 0" in late
+
+
+def test_drift_halves_compares_interval_widths():
+    r = _result()
+    t = np.arange(0, 40, 0.5)
+    r.samples = pd.DataFrame({"t_s": t, "pid": 1, "up": True,
+                              "rss_mib": 200 + 0.01 * t + np.random.default_rng(0).normal(0, 0.5, len(t))})
+    h = stability.drift_halves(r)
+    assert h["width_first_half"] > h["width_all"] > 0 and h["ratio"] == h["width_first_half"] / h["width_all"]

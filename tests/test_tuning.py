@@ -67,11 +67,27 @@ def test_decide_keeps_only_a_change_beyond_noise():
     assert T.decide(_frame(fast.ttft_s * 10), fast, goal="higher")["decision"] == "revert"
 
 
-def test_decide_refuses_a_tail_percentile_it_has_too_few_samples_for():
-    slow, fast = _frame(np.linspace(1.0, 1.1, 20)), _frame(np.linspace(0.1, 0.2, 20))
-    assert T.decide(slow, fast, q=50)["decision"] == "keep"
-    d = T.decide(slow, fast, q=95)                      # a p95 interval needs 72 samples
-    assert d["decision"] == "revert" and "n too small" in d["why"] and "72" in d["why"]
+def test_decide_pairs_requests_and_judges_against_the_aa_floor():
+    # a wide spread between requests (queue position), the same 10% cut for each: per-run
+    # intervals overlap, the paired ratio does not
+    before = _frame(np.linspace(1.0, 3.0, 8))
+    after = _frame(before.ttft_s * 0.9)
+    d = T.decide(before, after)
+    assert d["decision"] == "keep" and d["ratio"] == pytest.approx(0.9) and d["pairs"] == 8
+    assert T.decide(before, after, floor=0.15)["decision"] == "revert"          # inside a ±15% floor
+    wobble = _frame(before.ttft_s * np.where(np.arange(8) % 2, 1.2, 0.8))      # A/A moves ±20%
+    aa = T.decide(before, after, aa=wobble)
+    assert aa["decision"] == "revert" and "within noise" in aa["why"] and aa["floor"] == pytest.approx(0.2)
+    few = T.decide(before.iloc[:3], after.iloc[:3])                              # 3 pairs: a range, said so
+    assert "not a 95% interval" in few["why"]
+
+
+def test_decide_pairs_by_request_id_not_by_row_order():
+    before = pd.DataFrame({"status": "ok", "request_id": [0, 1, 2, 3, 4, 5, 6], "ttft_s": np.arange(1.0, 8.0)})
+    after = before.assign(ttft_s=before.ttft_s * 0.5).iloc[::-1]        # finished in another order
+    after.loc[after.request_id == 3, "status"] = "error"                 # a failed request leaves no pair
+    d = T.decide(before, after)
+    assert d["pairs"] == 6 and d["ratio"] == pytest.approx(0.5) and d["decision"] == "keep"
 
 
 def _session(tmp_path, name, config, users, *, kv=90.0):
@@ -104,6 +120,7 @@ def test_tuning_log_appends_and_tracks_the_kept_config(tmp_path):
     q4 = q8.change(cache_type_k="q4_0")
     slow = log.trial("cache_type_k", _session(tmp_path, "t4", q4, 2.0 + noise(), kv=60.0), target="kv_cache_mib")
     assert slow["decision"] == "revert" and "worse beyond noise" in slow["why"] and log.current == q8
+    assert log.floor("users:ttft_s") == 0.0                    # no repeat of the baseline: no floor
     lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [x["trial"] for x in lines] == ["baseline", "n_parallel=4", "threads=1", "cache_type_k=q8_0",
                                            "cache_type_k=q4_0"]
@@ -207,3 +224,19 @@ def test_tail_table_predicts_the_cap_from_medians():
     assert list(t.index) == ["a"]
     assert t.loc["a", "tpot_p50_s"] == pytest.approx(0.1)          # 0.4 s over 4 gaps
     assert t.loc["a", "e2e_at_cap_s"] == pytest.approx(0.2 + 4 * 0.1) == t.loc["a", "e2e_p50_s"]
+
+
+def test_tuning_log_judges_trials_against_the_baselines_aa_repeat(tmp_path):
+    base = T.ServerConfig()
+    x = np.linspace(1.0, 2.0, 8)
+    session = _session(tmp_path, "b", base, x)
+    session["runs"]["users A/A"] = SimpleNamespace(df=_frame(x * np.where(np.arange(8) % 2, 1.3, 0.75)),
+                                                   dir=tmp_path / "aa")
+    log = T.TuningLog(tmp_path, guard="users:ttft_s")
+    log.baseline(session)
+    assert log.floor("users:ttft_s") == pytest.approx(0.3)
+    within = log.trial("n_parallel", _session(tmp_path, "t", base.change(n_parallel=2), x * 0.8), target="users:ttft_s")
+    assert within["decision"] == "revert" and "within noise" in within["why"]
+    clear = log.trial("n_parallel", _session(tmp_path, "t2", base.change(n_parallel=4), x * 0.5),
+                      target="users:ttft_s")
+    assert clear["decision"] == "keep" and clear["floor"] == pytest.approx(0.3)

@@ -1,12 +1,23 @@
 """Notebook 17: an incident, end to end.
 
 The agentic coding session (`measure.workloads.agentic_workload`) is replayed against every
-route this machine has (the guide's A Ollama, B mlx_lm.server, C llama-server, D a runtime
-in process), each skipped with the reason where absent. Then a fault drawn by seed from
-the fault lab degrades one route, hidden from the learner. The learner compares the
-incident replay with the baseline, opens the doctor snapshots taken *during* the incident,
-and fills an incident report; `grade_report` checks it (and, in instructor mode, reveals
-the fault).
+route this machine has, each skipped with the reason where absent. The guide's routes, and
+exactly what runs for each here:
+
+- **A** Ollama: an Ollama server you run, with `ollama_model` pulled (its own file);
+- **B** `mlx_lm.server` on an MLX folder (`mlx_model`), or vLLM's CPU build on the same
+  weights in float32 where its environment exists (`vllm=True`);
+- **C** llama-server on the embedded GGUF (the only route a fault can be injected into);
+- **D** a runtime in process: llama.cpp (llama-cpp-python) by default; MLX-LM in process
+  (`route_d="mlx"`, the guide's D: mlx[cpu] on Linux, very slow there).
+
+The baseline is replayed twice (A/A): the difference between the two is each route's noise
+floor. Then a fault drawn by seed from the fault lab degrades one route, hidden from the
+learner, with a delay scaled to that route's own baseline (so it shows on a fast GPU and a
+slow laptop alike). The learner compares the incident with the baseline, opens the doctor
+snapshot of the route they suspect, and fills an incident report; `grade_report` checks it
+(and, in instructor mode, reveals the fault). `changed_most` names a route only when it
+changed beyond its floor.
 """
 from __future__ import annotations
 
@@ -19,12 +30,12 @@ from typing import Any
 import pandas as pd
 
 from infercourse.core.errors import LAYERS, InferCourseError
-from infercourse.measure import bench
+from infercourse.measure import bench, noise
 from infercourse.measure.workloads import Workload, agentic_workload
 from infercourse.ops.faults import FAULTS, inject
 from infercourse.ops.layers import doctor_engine, doctor_layers
 
-__all__ = ["HIDDEN", "REPORT_TEMPLATE", "Route", "routes", "replay", "summarize", "changed_most", "Incident",
+__all__ = ["HIDDEN", "REPORT_TEMPLATE", "Route", "routes", "replay", "summarize", "floors", "changed_most", "Incident",
            "run_incident", "grade_report", "soak_recipe"]
 
 # Faults a route can suffer while the session runs, and still be undone at once.
@@ -48,7 +59,8 @@ class Route:
 
 
 def routes(stack: contextlib.ExitStack, *, threads: int = 1, ctx_size: int = 4096,
-           ollama_model: str | None = None, mlx_model: str | None = None) -> list[Route]:
+           ollama_model: str | None = None, mlx_model: str | None = None, vllm: bool = False,
+           route_d: str = "llama.cpp") -> list[Route]:
     """Every route of the guide, started where possible (servers stopped with `stack`).
 
     Args:
@@ -56,7 +68,11 @@ def routes(stack: contextlib.ExitStack, *, threads: int = 1, ctx_size: int = 409
         threads: CPU threads per runtime.
         ctx_size: llama-server context (one slot).
         ollama_model: an Ollama model name (route A; None: skipped).
-        mlx_model: an MLX model folder (routes B and D-MLX; None: skipped).
+        mlx_model: an MLX model folder (route B's mlx_lm.server; None: skipped unless `vllm`).
+        vllm: route B is vLLM's CPU build on the embedded weights (float32), where its
+            environment exists (minutes to start).
+        route_d: "llama.cpp" (llama-cpp-python in process) or "mlx" (MLX-LM in process on the
+            embedded weights converted to MLX: the guide's D; slow off Apple Silicon).
     """
     from infercourse.ops.doctor import engine_status
     st, out = engine_status(), []
@@ -66,9 +82,17 @@ def routes(stack: contextlib.ExitStack, *, threads: int = 1, ctx_size: int = 409
     else:
         from infercourse.engines.ollama import OllamaEngine
         out.append(Route("A", "Ollama", OllamaEngine(ollama_model)))
-    if not st["mlx"]["usable"] or not mlx_model:
+    if vllm:
+        if not st["vllm"]["usable"]:
+            out.append(Route("B", "vLLM CPU (OpenAI server)", skipped=st["vllm"]["why"]))
+        else:
+            from infercourse.models.formats import hf_folder
+            from infercourse.servers import VLLMServer
+            srv = stack.enter_context(VLLMServer(hf_folder(), max_model_len=ctx_size))
+            out.append(Route("B", "vLLM CPU (OpenAI server, float32 weights)", srv.engine(timeout=60), srv))
+    elif not st["mlx"]["usable"] or not mlx_model:
         out.append(Route("B", "mlx_lm.server", skipped=st["mlx"]["why"] if not st["mlx"]["usable"]
-                         else "set MLX_MODEL to an MLX model folder"))
+                         else "set MLX_MODEL to an MLX model folder (or VLLM = True where vLLM is installed)"))
     else:
         from infercourse.servers.mlx import MLXServer
         srv = stack.enter_context(MLXServer(mlx_model))
@@ -79,9 +103,19 @@ def routes(stack: contextlib.ExitStack, *, threads: int = 1, ctx_size: int = 409
         out.append(Route("C", "llama-server", srv.engine(timeout=60), srv))
     except InferCourseError as e:
         out.append(Route("C", "llama-server", skipped=str(e)))
-    from infercourse.engines.llamacpp import LlamaCppEngine
-    out.append(Route("D", "llama.cpp in process (the guide's D is MLX-LM in process)",
-                     LlamaCppEngine(n_ctx=ctx_size, n_threads=threads)))
+    if route_d == "mlx":
+        if not st["mlx"]["usable"]:
+            out.append(Route("D", "MLX-LM in process", skipped=st["mlx"]["why"]))
+        else:
+            from infercourse.engines.mlx_engine import MLXEngine
+            from infercourse.models.formats import mlx_folder
+            out.append(Route("D", "MLX-LM in process (embedded weights as MLX)", MLXEngine(mlx_folder())))
+    elif route_d == "llama.cpp":
+        from infercourse.engines.llamacpp import LlamaCppEngine
+        out.append(Route("D", "llama.cpp in process (llama-cpp-python; the guide's D is MLX-LM: ROUTE_D='mlx')",
+                         LlamaCppEngine(n_ctx=ctx_size, n_threads=threads)))
+    else:
+        raise ValueError(f"route_d must be 'llama.cpp' or 'mlx', got {route_d!r}")
     return out
 
 
@@ -107,15 +141,47 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
                          "first error": first_err})
 
 
-def changed_most(baseline: pd.DataFrame, incident: pd.DataFrame) -> tuple[str, str]:
-    """(route, why): the route with the most new errors, else the largest end-to-end slowdown."""
+def _per_call(df: pd.DataFrame, route: str, metric: str = "e2e_s") -> pd.Series:
+    ok = df[(df["route"] == route) & (df["status"] == "ok")]
+    return ok.set_index("request_id")[metric]
+
+
+def floors(baseline: pd.DataFrame, again: pd.DataFrame, metric: str = "e2e_s") -> dict[str, float]:
+    """Each route's A/A noise floor: the baseline replay against its repeat, call by call."""
+    out = {}
+    for route in sorted(set(baseline["route"]) & set(again["route"])):
+        both = pd.concat([_per_call(baseline, route, metric), _per_call(again, route, metric)], axis=1,
+                         join="inner").dropna()
+        out[route] = noise.noise_floor(both.iloc[:, 0], both.iloc[:, 1]).floor if len(both) else float("nan")
+    return out
+
+
+def changed_most(baseline: pd.DataFrame, incident: pd.DataFrame,
+                 floor: dict[str, float] | None = None) -> tuple[str | None, str]:
+    """(route, why): the route with the most new errors; else the largest end-to-end slowdown
+    that clears that route's A/A floor (`floors`), call by call; else (None, why not).
+
+    Args:
+        baseline, incident: `replay` frames (a `route` column), the same calls.
+        floor: {route: A/A noise floor}; None or a missing route: 0 (no floor, said so).
+    """
     b, i = summarize(baseline), summarize(incident)
     new_errors = (i["errors"] - b["errors"].reindex(i.index).fillna(0)).sort_values(ascending=False)
     if new_errors.iloc[0] > 0:
         route = new_errors.index[0]
         return route, f"{int(i['errors'][route])} of {int(i['calls'][route])} calls failed ({i['first error'][route]})"
-    ratio = (i["e2e_p50_s"] / b["e2e_p50_s"].reindex(i.index)).sort_values(ascending=False)
-    return ratio.index[0], f"median end-to-end x{ratio.iloc[0]:.1f} the baseline's"
+    beyond = {}
+    for route in i.index:
+        both = pd.concat([_per_call(baseline, route), _per_call(incident, route)], axis=1, join="inner").dropna()
+        if len(both):
+            c = noise.compare(both.iloc[:, 0], both.iloc[:, 1], (floor or {}).get(route, 0.0),
+                              labels=("baseline", "incident"))
+            if c.verdict == "baseline faster":
+                beyond[route] = c
+    if not beyond:
+        return None, "no route changed beyond its A/A noise floor: look for errors in the doctor snapshots"
+    route = max(beyond, key=lambda r: beyond[r].interval.median)
+    return route, f"median end-to-end x{beyond[route].interval.median:.1f} the baseline's ({beyond[route].text})"
 
 
 @dataclass
@@ -127,13 +193,18 @@ class Incident:
     route: str = field(repr=False)
     df: pd.DataFrame = field(repr=False, default=None)
     snapshots: dict[str, Any] = field(repr=False, default_factory=dict)
+    delay_s: float | None = field(repr=False, default=None)   # a delay fault's size (None: not one, or the default)
 
-    def doctor(self, route: str):
-        """The doctor's report on `route`, taken while the incident was going on."""
+    def doctor(self, route: str | None):
+        """The doctor's report on `route`, taken while the incident was going on (None: a
+        reminder instead; the report of the faulted route would give the answer away)."""
+        if route is None:
+            return "Name the route you suspect first (SUSPECT = 'C', ...): its snapshot is shown then."
         return self.snapshots[route]
 
 
-def run_incident(rs: list[Route], seed: int, n_calls: int, max_tokens: int, out_dir: str | Path) -> Incident:
+def run_incident(rs: list[Route], seed: int, n_calls: int, max_tokens: int, out_dir: str | Path,
+                 baseline: pd.DataFrame | None = None, scale: float = 1.0) -> Incident:
     """Draw a fault by seed, degrade one HTTP route with it, replay every route, take a
     doctor snapshot of each during the fault, undo it.
 
@@ -142,15 +213,23 @@ def run_incident(rs: list[Route], seed: int, n_calls: int, max_tokens: int, out_
         seed: draws the fault and the route.
         n_calls, max_tokens: the replay's size.
         out_dir: where the runs are saved.
+        baseline: the baseline replay; a delay fault then lasts `scale` x the faulted route's
+            median end-to-end time there (a fixed 2 s hides under a slow route's own 5 s).
+        scale: the delay as a multiple of that baseline median.
     """
     live = [r for r in rs if not r.skipped]
     target = random.Random(seed).choice([r for r in live if r.server is not None and hasattr(r.server, "n_parallel")])
     fault = random.Random(seed + 1).choice(HIDDEN)
     inc, frames = Incident(seed, fault, target.key), []
+    delay = None
+    if fault in ("latency", "slow_first_byte") and baseline is not None:
+        base_e2e = baseline.loc[(baseline["route"] == target.key) & (baseline["status"] == "ok"), "e2e_s"].median()
+        delay = float(scale * base_e2e) if base_e2e == base_e2e else None   # NaN: the default size
+    inc.delay_s = delay
     longest = "\n".join(m["content"] for m in _calls(n_calls, max_tokens).requests[-1].messages)
     for r in live:
         # the fault lasts the whole replay (a slow CPU included); 120 s is only the safety net
-        with inject(fault, r.server, seconds=120) if r is target else contextlib.nullcontext() as f:
+        with inject(fault, r.server, seconds=120, delay_s=delay) if r is target else contextlib.nullcontext() as f:
             url = f.url if f is not None else r.url
             # the on-call snapshot first, while the fault is surely in place; then the session
             inc.snapshots[r.key] = (doctor_layers(url, server=r.server, prompt=longest, max_tokens=max_tokens,
@@ -180,7 +259,9 @@ def grade_report(report: dict[str, Any], inc: Incident, *, instructor: bool = Fa
         f = FAULTS[inc.fault]
         out.update(fault=f.name, route=inc.route, layer=f.layer, route_right=report.get("route") == inc.route,
                    layer_right=report.get("layer") == f.layer)
-        print(f"INSTRUCTOR: route {inc.route} suffered '{f.name}' ({f.how}): symptom '{f.symptom}', layer {f.layer}.\n"
+        size = f", {inc.delay_s:.2f} s" if inc.delay_s else ""
+        print(f"INSTRUCTOR: route {inc.route} suffered '{f.name}' ({f.how}{size}): symptom '{f.symptom}', "
+              f"layer {f.layer}.\n"
               f"route {'right' if out['route_right'] else 'wrong'}, layer {'right' if out['layer_right'] else 'wrong'}")
     return out
 

@@ -10,21 +10,19 @@ picks its own threads), the comparison must not hide it: `results.differing_cond
 refuses the comparison unless that condition is explicitly allowed, and the table then
 labels it beside the numbers.
 
-A route is an engine plus whatever stands in front of it: llama.cpp in process,
-llama-server, transformers, MLX in process, mlx_lm.server, vLLM's CPU build, Ollama.
-Each route is built, warmed up with the same short request, measured and torn down in
+A route (`ops.routes`) is an engine plus whatever stands in front of it: llama.cpp in
+process, llama-server, transformers, MLX in process, mlx_lm.server, vLLM's CPU build,
+Ollama. Each route is built, warmed up with the same short request, measured and torn down in
 turn (loaded once). A route that cannot run here still gets a row, saying why (from
 `ops.doctor.engine_status`).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pandas as pd
-import psutil
 
 from infercourse.core import summary
 from infercourse.core.trace import record
@@ -33,10 +31,12 @@ from infercourse.measure import bench
 from infercourse.measure.importers import load_vllm_bench
 from infercourse.measure.results import Run, compare, differing_conditions, load_run, new_run_dir
 from infercourse.measure.workloads import DATA_DIR, Workload, agentic_workload
+# Routes (how each is opened, which run here) are shared with notebook 17: ops.routes.
+from infercourse.ops.routes import ROUTES, open_route, route_status, slow_routes
 
 __all__ = ["FAIR_KEYS", "LABELLED", "ROUTES", "PEER_FIXTURE", "WARMUP", "agent_calls", "route_status", "slow_routes",
-           "open_route", "measure_routes", "fair_table", "engine_table", "plot_routes", "explain", "peer_run",
-           "peer_beside_ours"]
+           "open_route", "measure_routes", "fair_table", "engine_table", "plot_routes", "explain",
+           "server_vs_in_process", "peer_run", "peer_beside_ours"]
 
 # Manifest keys that must match for two runs' numbers to be compared (dotted, as
 # `differing_conditions` flattens them). `fair.*` is what each route records below.
@@ -45,27 +45,6 @@ FAIR_KEYS = ("fair.weights", "fair.quantization", "fair.context_tokens", "fair.t
              "load.max_duration_s", "hardware")
 # Conditions some runtimes cannot share: allowed to differ, but always shown.
 LABELLED = ("fair.quantization", "fair.threads", "fair.context_tokens")
-
-# Static facts per route, from each project's own documentation; `check` is the
-# `doctor.engine_status()` entry that says whether it can run here.
-_FACTS = {  # route: (doctor check, API, positioning, deployment limits)
-    "llama.cpp in process": ("llamacpp", "Python calls (llama-cpp-python)", "the runtime alone, embedded "
-                             "in your own program", "one request at a time per loaded model; GGUF files only"),
-    "llama-server": ("llama-server", "OpenAI /v1 over HTTP, /metrics, /slots", "llama.cpp's own server: one "
-                     "box, CPU/GPU/Metal", "slots fixed at start (-np) share the context (-c); one model"),
-    "transformers": ("transformers", "Python generate()", "the reference implementation: research, checks",
-                     "no GGUF kernels (float weights here); no continuous batching in generate()"),
-    "MLX in process": ("mlx", "Python stream_generate (mlx-lm)", "Apple's runtime for Apple Silicon (Metal, "
-                       "unified memory)", "fast on Metal only; the Linux CPU build is slow; one request at a time"),
-    "mlx_lm.server": ("mlx", "OpenAI /v1 over HTTP", "MLX-LM's server for a Mac desktop",
-                      "its docs: not for production (basic security checks only)"),
-    "vLLM CPU": ("vllm", "OpenAI /v1 over HTTP, Prometheus /metrics", "high-throughput serving: "
-                 "PagedAttention, continuous batching", "GPU-first; the CPU build: own env, float weights, slow start"),
-    "Ollama": ("ollama", "native /api/* and OpenAI /v1", "model manager + server over llama.cpp, desktop",
-               "runs models from its own registry (its file, not ours); one box"),
-}
-ROUTES: dict[str, dict[str, str]] = {n: dict(zip(("check", "api", "positioning", "limits"), f))
-                                     for n, f in _FACTS.items()}
 
 PEER_FIXTURE = DATA_DIR.parent / "tests" / "data" / "vllm_bench_serve_detailed.json"
 # The same short, unrelated request warms every route up: pages weights in, builds kernels,
@@ -87,98 +66,6 @@ def agent_calls(n_calls: int, max_tokens: int) -> Workload:
     return Workload(f"{wl.name}-first{n_calls}-max{max_tokens}", reqs, cache_workload=True)
 
 
-def route_status(names: list[str], status: dict[str, dict[str, Any]] | None = None) -> pd.DataFrame:
-    """Which routes can run here, and why not (one row per route).
-
-    Args:
-        names: route names from `ROUTES`.
-        status: `doctor.engine_status()` (None: asked now).
-    """
-    if status is None:
-        from infercourse.ops.doctor import engine_status
-        status = engine_status()
-    unknown = set(names) - set(ROUTES)
-    if unknown:
-        raise ValueError(f"unknown route(s) {sorted(unknown)}; choose from {list(ROUTES)}")
-    return pd.DataFrame([{"route": n, "here": status[ROUTES[n]["check"]]["usable"],
-                          "why": status[ROUTES[n]["check"]]["why"]} for n in names]).set_index("route")
-
-
-def _tree_rss(pid: int | None) -> float:
-    """Resident bytes of a server process and its children (NaN if it is gone)."""
-    try:
-        p = psutil.Process(pid)
-        return float(sum(q.memory_info().rss for q in [p, *p.children(recursive=True)]))
-    except (psutil.Error, TypeError, ValueError):
-        return float("nan")
-
-
-def _weights_id() -> str:
-    from infercourse.models.embedded import embedded_gguf, file_sha256
-    return "SmolLM2-135M-Instruct from GGUF " + file_sha256(embedded_gguf())[:12]
-
-
-@contextlib.contextmanager
-def open_route(name: str, *, threads: int, ctx_size: int,
-               ollama_model: str = "smollm2:135m") -> Iterator[tuple[Any, dict[str, Any], Any]]:
-    """Build one route on the embedded model's weights; yield (engine, fair conditions,
-    memory function). Servers are stopped on exit, even when the block fails.
-
-    Args:
-        name: a key of `ROUTES`.
-        threads: CPU threads where the runtime takes a number.
-        ctx_size: context window (tokens) where the runtime preallocates one.
-        ollama_model: the model name Ollama serves (its own file, so `weights` differs).
-    """
-    from infercourse.models.modelcard import model_card
-    me = psutil.Process()
-    rss0 = float(me.memory_info().rss)
-    in_process = lambda: float(me.memory_info().rss) - rss0      # noqa: E731 - growth of this process
-    fair = {"weights": _weights_id(), "threads": threads, "context_tokens": ctx_size}
-    with contextlib.ExitStack() as stack:
-        if name == "llama.cpp in process":
-            from infercourse.engines.llamacpp import LlamaCppEngine
-            engine, card, mem = LlamaCppEngine(n_threads=threads, n_ctx=ctx_size), model_card(None), in_process
-        elif name == "llama-server":
-            from infercourse.servers import LlamaServer
-            srv = stack.enter_context(LlamaServer(n_parallel=1, ctx_size=ctx_size, threads=threads))
-            engine, card, mem = srv.engine(), model_card(None), lambda: _tree_rss(srv.pid)
-        elif name == "transformers":
-            from transformers.utils import logging as hf_logging
-            from infercourse.engines.transformers_engine import TransformersEngine
-            hf_logging.disable_progress_bar()   # its weight-loading bar would land in the notebook
-            engine = TransformersEngine(n_threads=threads)
-            card, mem = model_card(engine.model_ref.path), in_process
-            fair["context_tokens"] = "grows per request"
-        elif name in ("MLX in process", "mlx_lm.server"):
-            from infercourse.models.formats import mlx_folder
-            folder = mlx_folder()
-            card = model_card(folder)
-            fair.update(threads="MLX's own", context_tokens="grows per request")
-            if name == "mlx_lm.server":
-                from infercourse.servers import MLXServer
-                srv = stack.enter_context(MLXServer(folder))
-                engine, mem = srv.engine(), lambda: _tree_rss(srv.pid)
-            else:
-                from infercourse.engines.mlx_engine import MLXEngine
-                engine, mem = MLXEngine(folder), in_process
-        elif name == "vLLM CPU":
-            from infercourse.models.formats import hf_folder
-            from infercourse.servers import VLLMServer
-            srv = stack.enter_context(VLLMServer(hf_folder(), max_model_len=ctx_size))
-            engine, card, mem = srv.engine(), model_card(hf_folder()), lambda: _tree_rss(srv.pid)
-            fair["threads"] = "vLLM's own (OMP)"
-        elif name == "Ollama":
-            from infercourse.engines.ollama import OllamaEngine
-            engine, card, mem = OllamaEngine(ollama_model, num_ctx=ctx_size), None, lambda: float("nan")
-            fair.update(weights=f"ollama:{ollama_model}", quantization="Ollama's file", threads="Ollama's own")
-        else:
-            raise ValueError(f"unknown route {name!r}; choose from {list(ROUTES)}")
-        if card is not None:
-            fair["quantization"] = card.quantization
-        yield engine, fair, mem
-
-
 def _row(name: str, run: Run, mem_bytes: float) -> dict[str, Any]:
     df = run.df
     ok = df[df["status"] == "ok"]
@@ -195,21 +82,6 @@ def _row(name: str, run: Run, mem_bytes: float) -> dict[str, Any]:
             "cache_hit": float(ok["cached_tokens"].sum()) / prompt if prompt and ok["cached_tokens"].notna().any()
             else float("nan"),
             "error_rate": summary.error_rate(df)}
-
-
-def slow_routes() -> dict[str, str]:
-    """Routes that can run on this machine but far too slowly for a notebook's time
-    budget, and why (MLX off Apple Silicon, vLLM's CPU build off an NVIDIA box)."""
-    import platform
-    import shutil
-    import sys
-    out = {}
-    if not (sys.platform == "darwin" and platform.machine() == "arm64"):
-        why = "MLX's Linux CPU backend: one agent call's prefill alone outlasts this notebook's budget"
-        out.update({"MLX in process": why, "mlx_lm.server": why})
-    if shutil.which("nvidia-smi") is None:
-        out["vLLM CPU"] = "vLLM's CPU build takes minutes to start (load, profiling, warm-up)"
-    return out
 
 
 def measure_routes(names: list[str], workload: Workload, *, threads: int, ctx_size: int,
@@ -301,9 +173,11 @@ def plot_routes(rows: pd.DataFrame, ceilings: dict[str, float], axes):
 
 
 def explain(rows: pd.DataFrame, runs: dict[str, Run], predicted_ratio: float,
-            base: str = "llama.cpp in process", other: str = "transformers") -> str:
+            base: str = "llama.cpp in process", other: str = "transformers",
+            paired: dict[str, Any] | None = None) -> str:
     """The Explain paragraph, computed from the measured rows and runs (no number typed in).
-    The server's TTFT cost is a *paired* difference: the same call on both routes."""
+    Whether the server costs TTFT is said only from `paired` (`server_vs_in_process`:
+    interleaved trials judged against an A/A floor), never from one run per route."""
     ran = rows[rows["ran"]]
     if ran.empty:
         return "No route could run here: see the `why` column."
@@ -315,17 +189,12 @@ def explain(rows: pd.DataFrame, runs: dict[str, Run], predicted_ratio: float,
         out.append(f"- {base} decodes {r:.1f}× faster than {other}; the bytes alone predicted "
                    f"{predicted_ratio:.1f}×. Part of that gap is *quantization*, not engine quality: "
                    f"the table labels it.")
-    if {base, "llama-server"} <= set(runs):
-        a, b = (runs[n].df.set_index("request_id")["ttft_s"] for n in (base, "llama-server"))
-        d = 1e3 * (b - a).dropna()
-        verdict = (f"adds {d.median():.0f} ms to TTFT (every call: {d.min():+.0f} to {d.max():+.0f} ms)"
-                   if d.min() > 0 else
-                   f"reaches the first token {-d.median():.0f} ms sooner than in process (every call: "
-                   f"{d.min():+.0f} to {d.max():+.0f} ms): the library around a runtime costs time too"
-                   if d.max() < 0 else
-                   f"adds nothing we can separate from this machine's noise (per call: {d.min():+.0f} to "
-                   f"{d.max():+.0f} ms)")
-        out.append(f"- Same runtime behind HTTP, call by call: llama-server {verdict}.")
+    if paired is not None:
+        out.append(f"- Same runtime behind HTTP, TTFT of one agent call, interleaved: **{paired['comparison'].verdict}** "
+                   f"({paired['comparison'].text}); {paired['floor'].text()}.")
+    elif {base, "llama-server"} <= set(runs):
+        out.append("- llama-server against in process: one sequential run per route cannot separate a server's "
+                   "cost from this machine's noise, so no verdict here (the interleaved A/A/B comparison gives one).")
     hits = ", ".join(f"{n} {v:.0%}" for n, v in ran["cache_hit"].items())
     out.append(f"- Prompt tokens served from a prefix cache: {hits}.")
     out.append(f"- Memory: {', '.join(f'{n} {v:.0f} MB' for n, v in ran['memory_mb'].items())} "
@@ -333,6 +202,37 @@ def explain(rows: pd.DataFrame, runs: dict[str, Run], predicted_ratio: float,
     for n, why in rows.loc[~rows["ran"], "why"].items():
         out.append(f"- **{n}** did not run: {str(why)[:160]}")
     return "\n".join(out)
+
+
+def server_vs_in_process(request: Request, *, threads: int, ctx_size: int, repeats: int = 6) -> dict[str, Any]:
+    """Does llama-server cost TTFT against the same runtime in process? Interleaved A/A/B.
+
+    Both routes are open at once; each trial sends `WARMUP` (so no trial starts with the
+    call's prefix cached) and then `request`, and keeps its TTFT. The arms run interleaved
+    (`noise.run_interleaved`, ABBA-style): in process, in process again (the A/A floor),
+    llama-server. The verdict (`noise.compare`) says "faster" only when the whole paired
+    interval clears the floor.
+
+    Returns {"values": {arm: [TTFT s per trial]}, "floor": NoiseFloor, "comparison": Comparison}.
+
+    Args:
+        request: one call (e.g. the first agent call, `agent_calls(1, n).requests[0]`).
+        threads, ctx_size: as `open_route`.
+        repeats: trials per arm (6 pairs give a 95% interval; fewer, the range, said so).
+    """
+    from infercourse.core import metrics
+    from infercourse.measure import noise
+    with open_route("llama.cpp in process", threads=threads, ctx_size=ctx_size) as (a, _, _), \
+            open_route("llama-server", threads=threads, ctx_size=ctx_size) as (b, _, _):
+        def ttft(engine) -> float:
+            record(engine, WARMUP, raise_errors=True)
+            return metrics.ttft_s(record(engine, request, raise_errors=True))
+        vals = noise.run_interleaved({"in process": lambda: ttft(a), "in process (A/A)": lambda: ttft(a),
+                                      "llama-server": lambda: ttft(b)}, repeats, pattern="rotate", warmup=1)
+    floor = noise.noise_floor(vals["in process"], vals["in process (A/A)"])
+    return {"values": vals, "floor": floor,
+            "comparison": noise.compare(vals["in process"], vals["llama-server"], floor,
+                                        labels=("in process", "llama-server"))}
 
 
 def peer_run(path: str | Path = PEER_FIXTURE) -> Run:

@@ -10,6 +10,12 @@ this module turns its three records into what a learner looks at:
 - `drift_verdict`: the slope and its interval in words. A leak claim needs the interval
   to exclude zero; a short soak usually cannot tell a small leak from noise, which is
   why real soaks run for 24-72 hours;
+- `drill_story`: what the crash drill did in this run, in words computed from its events
+  (fired or not, inside the window or not, what it cost, whether the load resumed);
+- `prompt_cache_step`: llama-server's host prompt cache (`--cache-ram`, 8 GiB by default)
+  keeps an idle slot's prompt in RAM: a step of prompt tokens x KV bytes per token that a
+  soak must not call a leak (soaks here run with `--cache-ram 0`);
+- `drift_halves`: the drift interval over the first half of the samples vs all of them;
 - `recipe`: the command line for the long version.
 """
 from __future__ import annotations
@@ -21,7 +27,8 @@ import pandas as pd
 
 from infercourse.ops.sampling import drift
 
-__all__ = ["plot_soak", "hit_rate_by_context", "drift_verdict", "recipe", "request_times"]
+__all__ = ["plot_soak", "hit_rate_by_context", "drift_verdict", "recipe", "request_times", "drill_story",
+           "prompt_cache_step", "drift_halves"]
 
 
 def request_times(result) -> pd.DataFrame:
@@ -57,6 +64,72 @@ def drift_verdict(summary: dict[str, Any], duration_s: float) -> str:
              " so growth here is not yet a leak: run it longer." if duration_s < 600 and lo > 0 else "")
     return (f"RSS drift {s:+.1f} MiB/h (95% interval {lo:+.1f} to {hi:+.1f}) over {duration_s / 60:.1f} min: "
             f"{verdict}. Over 24 h that interval spans {lo * 24:+.0f} to {hi * 24:+.0f} MiB.{short}")
+
+
+def drill_story(result, kill_after: int | None) -> str:
+    """The crash drill in one sentence, from this run's events and requests (never assumed).
+
+    Args:
+        result: a `SoakResult`.
+        kill_after: the drill's `kill_after_ok` (None: no drill was asked for).
+    """
+    s, df = result.summary, result.df
+    ok = int((df["status"] == "ok").sum()) if len(df) else 0
+    if kill_after is None:
+        return "No crash drill in this run (`KILL_AFTER = None`)."
+    if not np.isfinite(s.get("drill_at_s", np.nan)):
+        return (f"The crash drill **did not fire**: {ok} request(s) were answered in the {s['duration_s']:.0f}-s "
+                f"window, fewer than `KILL_AFTER = {kill_after}`. This run says nothing about recovery: "
+                "lower `KILL_AFTER` or lengthen `SOAK_S`.")
+    t = s["drill_at_s"]
+    restart = next((e for e in result.events if e["event"] == "restart"), None)
+    lost = int((df["status"] == "error").sum()) if len(df) else 0
+    if restart is None:
+        return (f"The crash drill fired at {t:.1f} s, too late for a restart inside the "
+                f"{s['duration_s']:.0f}-s window: restarts 0, so recovery was **not observed** here.")
+    after = int(((df["status"] == "ok") & (df["scheduled_t"] - result.t0 > restart["t_s"])).sum()) if len(df) else 0
+    resumed = (f"the load resumed: {after} request(s) answered after the restart" if after else
+               "no request was answered after the restart before the window closed")
+    return (f"The crash drill fired at {t:.1f} s (after {kill_after} answered request(s)); it cost {lost} "
+            f"request(s) (errors), the supervisor restarted the server in {restart.get('took_s', np.nan):.1f} s "
+            f"({s['restarts']} restart(s)), and {resumed}.")
+
+
+def prompt_cache_step(server, prompts, *, settle_s: float = 0.5) -> dict[str, float]:
+    """RSS of a one-slot llama-server before and after its slot's prompt is replaced by a
+    different one: with `--cache-ram` on, the old prompt's KV is copied to host RAM.
+
+    Args:
+        server: a started `LlamaServer` with ONE slot (its `--cache-ram` is the condition).
+        prompts: two or more different prompts (text); each is sent once, in turn.
+        settle_s: pause before each RSS reading (the copy happens as the next prompt starts).
+    """
+    import time
+
+    from infercourse.core.types import Request, generate
+    from infercourse.ops.sampling import process_rss_mib
+    engine, rss, tokens = server.engine(timeout=120), [], []
+    for text in prompts:
+        c = generate(engine, Request(prompt=text, max_tokens=1, cache_prompt=True))
+        tokens.append(c.usage.prompt_tokens if c.usage else np.nan)
+        time.sleep(settle_s)
+        rss.append(process_rss_mib(server.pid))
+    engine.close()
+    return {"rss_first_mib": rss[0], "rss_last_mib": rss[-1], "step_mib": rss[-1] - rss[0],
+            "saved_prompt_tokens": float(np.nansum(tokens[:-1]))}
+
+
+def drift_halves(result) -> dict[str, float]:
+    """The RSS drift interval's width (MiB/h) over the first half of the longest-lived
+    server's samples and over all of them: what a soak twice as long buys."""
+    smp = result.samples
+    up = smp[smp["up"].fillna(False).astype(bool)] if "up" in smp else smp
+    life = up.dropna(subset=["rss_mib"]).groupby("pid")
+    g = max(life, key=lambda x: len(x[1]))[1]
+    half = g[g["t_s"] <= g["t_s"].min() + (g["t_s"].max() - g["t_s"].min()) / 2]
+    w = lambda d: d["hi_per_h"] - d["lo_per_h"]    # noqa: E731
+    full, first = drift(g["t_s"], g["rss_mib"]), drift(half["t_s"], half["rss_mib"])
+    return {"width_first_half": w(first), "width_all": w(full), "ratio": w(first) / w(full)}
 
 
 def plot_soak(result, *, axes=None):

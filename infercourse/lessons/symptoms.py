@@ -1,45 +1,70 @@
 """Notebook 16: from what the user sees to what broke. The symptom table, reproduced live.
 
 Each row of the reference guide's symptom table names what a user reports and the layers
-that may be at fault. Here every row is reproduced on this machine where it can be: a
+the guide suspects first. Here every row is reproduced on this machine where it can be: a
 fault from the lab (`infercourse.ops.faults`) or a small live measurement, then the layer
-the doctor names and the evidence it used. A row that needs what this machine lacks is
-skipped with the reason. `write_cheatsheet` turns the rows into a markdown cheat sheet
-with the numbers measured in this run.
+this run's evidence names. The two can differ, and `DIFFERS` says why where they do: the
+guide lists the *usual* causes of a symptom, the lab reproduces *one* way to cause it. A row
+that needs what this machine lacks is skipped with the reason.
+
+The measurements judge their own effect against an A/A floor (`measure.noise`): TTFT that
+grows with the prompt, or decode that slows beside busy processes, names a layer only when
+the change clears what the same measurement does to itself. `retry_tail` shows what a
+client's retries with backoff do to the tail: errors become slow successes. `write_cheatsheet`
+turns the rows into a markdown cheat sheet with this run's numbers.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from infercourse.core.errors import InferCourseError
+from infercourse.core.errors import LAYERS, InferCourseError
 from infercourse.core.types import Request, generate
+from infercourse.measure import noise
 from infercourse.measure.hardware import utc_now
 from infercourse.ops.faults import FAULTS, run_fault
 
-__all__ = ["SYMPTOMS", "SymptomRow", "reproduce", "context_growth", "cpu_contention", "table", "score",
-           "write_cheatsheet"]
+__all__ = ["SYMPTOMS", "DIFFERS", "SymptomRow", "reproduce", "context_growth", "cpu_contention", "retry_tail",
+           "blank_sheet", "table", "score", "write_cheatsheet"]
 
-# symptom -> (layers to suspect, in the guide's order; how it is reproduced here)
+# symptom -> (the guide's suspect layers, in its order; how it is reproduced here)
 SYMPTOMS = {
     "API failed": (("API", "server"), "5xx"),
-    "agent stuck": (("server", "engine"), "frozen"),
+    "agent stuck": (("context", "KV cache", "memory"), "frozen"),
     "slower the longer it runs": (("context", "KV cache"), "context_growth"),
     "model exits suddenly": (("server", "memory"), "killed"),
     "API timeout": (("engine", "server"), "overloaded"),
-    "tokens slow": (("hardware", "runtime", "engine"), "cpu_contention"),
-    "crash after a long run": (("memory", "KV cache"), "memory_limited"),
+    "tokens slow": (("runtime", "quantization", "hardware"), "cpu_contention"),
+    "crash after a long run": (("memory", "KV cache"), "memory_growth"),
     "tool calling fails": (("model", "API"), "template_breaks_tools"),
     "streaming fails": (("API", "server"), "cut"),
     "new model will not run": (("model", "runtime", "memory"), "model_corrupt"),
     "model runs but the agent is unstable": (("context", "model"), "context_overflow"),
 }
+
+# Why the layer this lab's evidence names can differ from the guide's suspects.
+DIFFERS = {
+    "agent stuck": "the guide's agent is stuck because a long session fills its context, KV cache or memory; "
+                   "the lab reproduces the other common way to hang: a frozen server process (state T)",
+    "tokens slow": "quantization is not a layer of the walk: it is a property of the model file (model layer); "
+                   "the lab makes tokens slow by taking the CPU away (hardware)",
+}
+
+_HTML = re.compile(r"<[^>]+>")
+
+
+def _clean(text: str, limit: int = 240) -> str:
+    """One line of evidence: no HTML tags (a proxy's error page), whitespace collapsed."""
+    t = re.sub(r"\s+", " ", _HTML.sub(" ", str(text))).strip()
+    return t if len(t) <= limit else t[: limit - 1] + "…"
 
 
 @dataclass
@@ -55,23 +80,37 @@ class SymptomRow:
     skipped: str | None = None
     values: dict[str, Any] = field(default_factory=dict)
 
+    def differs(self) -> str:
+        if self.layer is None or self.layer in self.suspects:
+            return ""
+        return DIFFERS.get(self.symptom, "the lab reproduces one cause of this symptom, not the guide's usual ones")
+
     def as_dict(self) -> dict[str, Any]:
-        return {"symptom": self.symptom, "check first": " → ".join(self.suspects), "reproduced by": self.how,
-                "layer found": self.layer or "—", "evidence (this run)": self.skipped or self.evidence,
-                "seconds": round(self.seconds, 1)}
+        return {"symptom": self.symptom, "guide's suspects": " → ".join(self.suspects), "reproduced by": self.how,
+                "layer found": self.layer or "—", "why it differs": self.differs(),
+                "evidence (this run)": self.skipped or self.evidence, "seconds": round(self.seconds, 1)}
 
 
-def context_growth(server, lengths=(32, 128, 320)) -> tuple[str, str, dict]:
-    """TTFT of prompts growing like an agent's history (no prefix reuse): (layer, evidence, values)."""
-    engine, ttft = server.engine(timeout=60), []
-    for n in lengths:
-        c = generate(engine, Request(prompt=" ".join(["word"] * n), max_tokens=2, cache_prompt=False))
-        ttft.append(c.events[0].t - c.t_start)
+def _ttft(engine, words: int) -> float:
+    c = generate(engine, Request(prompt=" ".join(["word"] * words), max_tokens=2, cache_prompt=False))
+    return c.events[0].t - c.t_start
+
+
+def context_growth(server, lengths=(32, 320), repeats: int = 2) -> tuple[str | None, str, dict]:
+    """TTFT of a short and a long prompt (no prefix reuse), interleaved with an A/A repeat
+    of the short one: (layer or None, evidence, values). "context" only beyond noise."""
+    engine = server.engine(timeout=60)
+    short, long_ = (lambda: _ttft(engine, lengths[0])), (lambda: _ttft(engine, lengths[-1]))
+    v = noise.run_interleaved({"short": short, "short (A/A)": short, "long": long_}, repeats, warmup=1)
     engine.close()
+    floor = noise.noise_floor(v["short"], v["short (A/A)"])
+    c = noise.compare(v["short"], v["long"], floor, labels=("short", "long"))
+    ratio = float(np.median(v["long"]) / np.median(v["short"]))
     window = server.ctx_size // server.n_parallel
-    return "context", (f"TTFT {ttft[0] * 1e3:.0f} → {ttft[-1] * 1e3:.0f} ms as the prompt grows {lengths[0]} → "
-                       f"{lengths[-1]} words ({ttft[-1] / ttft[0]:.1f}x); the window is {window} tokens per slot"), \
-        {"ttft_s": ttft, "words": list(lengths), "ttft_ratio": ttft[-1] / ttft[0]}
+    evidence = (f"TTFT {1e3 * np.median(v['short']):.0f} → {1e3 * np.median(v['long']):.0f} ms as the prompt grows "
+                f"{lengths[0]} → {lengths[-1]} words ({ratio:.1f}x; {c.verdict}, A/A floor ±{floor.floor:.0%}); "
+                f"the window is {window} tokens per slot")
+    return ("context" if c.verdict == "short faster" else None), evidence, {**v, "ttft_ratio": ratio}
 
 
 def _spin(until: float) -> None:
@@ -79,28 +118,71 @@ def _spin(until: float) -> None:
         pass
 
 
-def cpu_contention(server, seconds: float = 4.0) -> tuple[str, str, dict]:
-    """Decode speed alone, then with one busy process per core for `seconds`: (layer, evidence, values)."""
+def cpu_contention(server, repeats: int = 2, max_tokens: int = 24) -> tuple[str | None, str, dict]:
+    """Decode speed alone (twice: the A/A floor) and with one busy process per core,
+    interleaved: (layer or None, evidence, values). "hardware" only beyond noise."""
     engine = server.engine(timeout=60)
-    req = Request(prompt="Count to fifty.", max_tokens=24, ignore_eos=True)
+    req = Request(prompt="Count to fifty.", max_tokens=max_tokens, ignore_eos=True)
 
     def tok_s() -> float:
         c = generate(engine, req)
-        return c.n_tokens / max(c.events[-1].t - c.events[0].t, 1e-9)
+        return (c.n_tokens - 1) / max(c.events[-1].t - c.events[0].t, 1e-9)
 
-    alone = tok_s()
-    hogs = [mp.Process(target=_spin, args=(time.time() + seconds,), daemon=True) for _ in range(mp.cpu_count())]
-    for h in hogs:
-        h.start()
-    try:
-        shared = tok_s()
-    finally:
+    def shared() -> float:
+        hogs = [mp.Process(target=_spin, args=(time.time() + 30,), daemon=True) for _ in range(mp.cpu_count())]
         for h in hogs:
-            h.terminate()
-            h.join(5)
-        engine.close()
-    return "hardware", (f"decode {alone:.1f} tok/s alone, {shared:.1f} tok/s with {len(hogs)} busy processes "
-                        f"({shared / alone:.0%})"), {"alone_tok_s": alone, "shared_tok_s": shared, "kept": shared / alone}
+            h.start()
+        try:
+            return tok_s()
+        finally:
+            for h in hogs:
+                h.terminate()
+                h.join(5)
+
+    v = noise.run_interleaved({"alone": tok_s, "alone (A/A)": tok_s, "shared": shared}, repeats, warmup=0)
+    engine.close()
+    floor = noise.noise_floor(v["alone"], v["alone (A/A)"])
+    c = noise.compare(v["alone"], v["shared"], floor, higher_is_better=True, labels=("alone", "shared"))
+    alone, with_hogs = float(np.median(v["alone"])), float(np.median(v["shared"]))
+    evidence = (f"decode {alone:.1f} tok/s alone, {with_hogs:.1f} tok/s with {mp.cpu_count()} busy processes "
+                f"({with_hogs / alone:.0%}; {c.verdict}, A/A floor ±{floor.floor:.0%})")
+    return ("hardware" if c.verdict == "alone faster" else None), evidence, \
+        {**v, "alone_tok_s": alone, "shared_tok_s": with_hogs, "kept": with_hogs / alone}
+
+
+def retry_tail(server, *, n: int = 6, outage_s: float = 2.0, retries: int = 4, backoff_s: float = 0.25,
+               max_tokens: int = 8) -> pd.DataFrame:
+    """What a client's retries do to the tail: `n` requests one after another through a
+    proxy that answers HTTP 502 for its first `outage_s` seconds, without and with retries
+    (exponential backoff: backoff_s, 2x, 4x...). One row per request: mode, ok, attempts,
+    seconds (send of the first attempt to the end of the last).
+
+    Args:
+        server: a running LlamaServer (loopback).
+        n, outage_s: requests per mode; how long the proxy fails.
+        retries, backoff_s: the client's retries and its first wait.
+        max_tokens: answer length (short: the point is the waiting, not the decoding).
+    """
+    from infercourse.ops.netfaults import FaultProxy, client_engine
+    rows, req = [], Request(prompt="Say hello.", max_tokens=max_tokens)
+    for mode, k in (("no retry", 0), (f"{retries} retries, backoff from {backoff_s:g} s", retries)):
+        with FaultProxy(server.url, "5xx", max_s=outage_s) as proxy:
+            engine = client_engine(proxy.url, timeout_s=30)
+            for _ in range(n):
+                t0, attempt, ok = time.perf_counter(), 0, False
+                while True:
+                    attempt += 1
+                    try:
+                        generate(engine, req)
+                        ok = True
+                        break
+                    except InferCourseError:
+                        if attempt > k:
+                            break
+                        time.sleep(backoff_s * 2 ** (attempt - 1))
+                rows.append({"mode": mode, "ok": ok, "attempts": attempt, "seconds": time.perf_counter() - t0})
+            engine.close()
+    return pd.DataFrame(rows)
 
 
 def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float = 3.0) -> SymptomRow:
@@ -119,15 +201,24 @@ def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float =
             r = run_fault(how, server, seconds=seconds, timeout_s=timeout_s)
             hit = r.report.failed or next((c for c in r.report.checks if c.status == "warn"), None)
             row.layer, row.values = r.named, {"doctor_s": r.doctor_s, "client_error": r.client_error}
-            client = (r.client_error or "no error, only slow").split(" (API layer)")[0][:120]
-            row.evidence = f"client: {client} | doctor: {(hit.summary if hit else 'nothing')[:160]}"
+            client = r.client_error or "no error, only slow"
+            row.evidence = f"client: {_clean(client)} / doctor: {_clean(hit.summary if hit else 'nothing')}"
         else:
             row.layer, row.evidence, row.values = {"context_growth": context_growth,
                                                    "cpu_contention": cpu_contention}[how](server)
+            if row.layer is None:
+                row.evidence = "not reproduced beyond noise: " + row.evidence
     except InferCourseError as e:   # cannot be produced here: say why, never fake it
         row.skipped = f"skipped: {e}"
     row.seconds = time.perf_counter() - t0
     return row
+
+
+def blank_sheet(symptoms) -> pd.DataFrame:
+    """The cheat sheet before the lab runs: each symptom with the guide's suspects and an
+    empty column for the layer YOU expect the evidence to name (fill `MY_DIAGNOSIS`)."""
+    return pd.DataFrame([{"symptom": s, "guide's suspects": " → ".join(SYMPTOMS[s][0]), "your layer": ""}
+                         for s in symptoms]).set_index("symptom")
 
 
 def table(rows: list[SymptomRow]) -> pd.DataFrame:
@@ -135,11 +226,15 @@ def table(rows: list[SymptomRow]) -> pd.DataFrame:
 
 
 def score(mine: dict[str, str | None], rows: list[SymptomRow]) -> pd.DataFrame:
-    """Your diagnosis per symptom next to the layer this run found (None: not answered)."""
-    df = pd.DataFrame([{"symptom": r.symptom, "yours": mine.get(r.symptom), "found": r.layer} for r in rows])
+    """Your layer per symptom beside the guide's suspects and the layer this run found."""
+    bad = {v for v in mine.values() if v is not None and v not in LAYERS}
+    if bad:
+        print(f"not a layer: {sorted(bad)}; choose from {LAYERS}")
+    df = pd.DataFrame([{"symptom": r.symptom, "guide's suspects": " → ".join(r.suspects), "yours": mine.get(r.symptom),
+                        "found": r.layer, "why it differs": r.differs()} for r in rows])
     df["match"] = [None if y is None else y == f for y, f in zip(df["yours"], df["found"])]
     answered = df["match"].dropna()
-    print(f"{int(answered.sum())}/{len(answered)} of your answered diagnoses match" if len(answered)
+    print(f"{int(answered.sum())}/{len(answered)} of your answered diagnoses match the layer found" if len(answered)
           else "fill MY_DIAGNOSIS before the Measure cell to score yourself")
     return df.set_index("symptom")
 
@@ -154,11 +249,13 @@ def write_cheatsheet(rows: list[SymptomRow], path: str | Path, *, machine: str =
     """
     df = table(rows).reset_index()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")   # timings mean little without it
-    cell = lambda v: str(v).replace("|", "/").replace("\n", " ")
+    cell = lambda v: str(v).replace("|", "/").replace("\n", " ")   # noqa: E731
     lines = ["# Symptom cheat sheet: what the user sees → which layer to check", "",
              f"Measured {utc_now()} on {machine or 'this machine'} ({os.cpu_count()} logical cores, 1-min load "
              f"{load:.1f}) by notebook 16 (`16_symptom_lab`): every row reproduced live on the embedded model; "
-             "evidence and seconds are what this run saw.", "",
+             "evidence and seconds are what this run saw. \"guide's suspects\" are the reference guide's usual "
+             "causes; \"layer found\" is what this run's evidence named, and \"why it differs\" says why where "
+             "they disagree.", "",
              "| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in df.itertuples(index=False)]
     path = Path(path)

@@ -3,11 +3,14 @@
 The procedure (`PROCEDURE`) confirms the layers from the outside in and stops at the first
 one that fails. A drill (`run_drill`) injects one fault from the fault lab, records what a
 client saw, runs `doctor layers` while the fault is in place, and undoes it, all in one
-call, so no fault ever outlives a cell. The notebook shows the symptom first; the learner
-names a layer (`choose`); only then does it print the doctor's report.
+call, so no fault ever outlives a cell. The notebook shows the evidence first (the symptom
+and what a client saw, with the library's own "(... layer)" tags taken out: they would give
+the answer away); the learner names a layer; only then does `reveal` print the doctor's
+report.
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +20,8 @@ import pandas as pd
 from infercourse.core.errors import LAYERS, InferCourseError
 from infercourse.ops.faults import FAULTS, run_fault
 
-__all__ = ["PROCEDURE", "NOT_HERE", "OPTIONS", "Drill", "key_of", "procedure_table", "run_drill", "drills_table"]
+__all__ = ["PROCEDURE", "NOT_HERE", "OPTIONS", "Drill", "key_of", "procedure_table", "run_drill", "drills_table",
+           "untagged", "reveal"]
 
 PROCEDURE = [  # (layer, the question, the evidence that answers it)
     ("API", "Does anything answer, in the OpenAI schema, with a stream and usage?", "/v1/models, one streamed request"),
@@ -26,7 +30,7 @@ PROCEDURE = [  # (layer, the question, the evidence that answers it)
     ("runtime", "Which build, backend, threads?", "/props build_info, command line"),
     ("model", "Is the file there, whole, with a template that renders our turns?", "/props, /apply-template"),
     ("context", "Does the prompt plus the answer fit the per-slot window?", "/tokenize vs n_ctx"),
-    ("KV cache", "How full is the cache?", "kv_cache_usage_ratio (where exported)"),
+    ("KV cache", "How full is the cache?", "kv_cache_usage_ratio where exported, else the tokens /slots holds"),
     ("memory", "Server RSS, free RAM, swap?", "psutil"),
     ("hardware", "Is the CPU shared? Is the GPU there?", "load average, nvidia-smi"),
 ]
@@ -34,11 +38,17 @@ PROCEDURE = [  # (layer, the question, the evidence that answers it)
 # Layers no fault of the lab reaches on a CPU-only laptop, and why (said, never faked).
 NOT_HERE = {
     "runtime": "a runtime bug needs a broken build; the lab will not ship one (see the runtime check's evidence)",
-    "KV cache": "this llama-server build no longer exports KV usage, and filling it takes minutes of decoding",
+    "KV cache": "its use is read (from /slots, as notebook 14's soak does), but filling it takes minutes of decoding",
     "hardware": "no GPU here to lose; CPU contention is shown in notebook 16 (tokens slow)",
 }
 
 OPTIONS = {chr(ord("a") + i): layer for i, layer in enumerate(LAYERS)}
+_TAG = re.compile(r"\s*\((?:%s) layer\)" % "|".join(re.escape(x) for x in LAYERS))
+
+
+def untagged(text: str | None) -> str | None:
+    """A client's error without the library's "(context layer)"-style tags: evidence, not the answer."""
+    return _TAG.sub("", text) if text else text
 
 
 def key_of(layer: str) -> str:
@@ -68,7 +78,7 @@ class Drill:
             print(f"[{self.fault}] skipped on this machine: {self.skipped}")
             return
         print(f"Symptom: {self.symptom}")
-        print(f"A client saw: {self.client_error or 'no error, only slowness'}")
+        print(f"A client saw: {untagged(self.client_error) or 'no error, only slowness'}")
 
     def why(self) -> str:
         """The reason, shown once the learner has chosen."""
@@ -100,6 +110,26 @@ def run_drill(name: str, server=None, *, seconds: float = 20.0, timeout_s: float
     except InferCourseError as e:
         return Drill(name, f.symptom, None, f.layer, skipped=str(e), seconds=time.perf_counter() - t0)
     return Drill(name, f.symptom, r.client_error, f.layer, r.report, time.perf_counter() - t0)
+
+
+def reveal(drill: Drill, my_layer: str | None, grade) -> bool | None:
+    """Grade the learner's layer (a key of `OPTIONS`), then show the doctor's report; with no
+    guess yet, the report stays hidden (set `MY_LAYER = "?"` to give up and see it).
+
+    Args:
+        drill: a `run_drill` result.
+        my_layer: the learner's key, "?" to reveal without a guess, or None.
+        grade: `exercises.choose` (passed in: no lesson imports another).
+    """
+    if drill.skipped:
+        print(f"[{drill.fault}] skipped: nothing to reveal")
+        return None
+    if my_layer is None:
+        print("Name a layer first (MY_LAYER = 'a'...'i'; '?' to give up): the doctor's report is shown after.")
+        return None
+    ok = None if my_layer == "?" else grade(my_layer, OPTIONS, key_of(drill.expected), why=drill.why())
+    print(drill.report)
+    return ok
 
 
 def drills_table(drills: list[Drill]) -> pd.DataFrame:

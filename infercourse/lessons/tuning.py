@@ -21,22 +21,23 @@ TTFT + (max_tokens - 1) x TPOT.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
 
-from infercourse.core import metrics, summary
+from infercourse.core import metrics
 from infercourse.core.trace import RequestTrace
 from infercourse.core.types import Request
 from infercourse.measure import bench
 from infercourse.measure.results import new_run_dir
+# The keep/revert rule and the log are not llama-server's: they live in the measure layer
+# (re-exported here, so the notebook reads one module).
+from infercourse.measure.tuning_log import TuningLog, decide, explain_log
 
-__all__ = ["ServerConfig", "serve_and_measure", "tuning_workloads", "stage_shares", "bottleneck", "ADVICE",
+__all__ = ["Lab", "setup", "ServerConfig", "serve_and_measure", "tuning_workloads", "stage_shares", "bottleneck", "ADVICE",
            "TARGETS", "predicted_queue_share", "plot_stages", "decide", "TuningLog", "explain_log", "kv_cache_mib_from_log",
            "compute_mib_from_log"]
 
@@ -75,6 +76,59 @@ class ServerConfig:
                  "--cache-reuse", self.cache_reuse, "-lv", 4]
         return LlamaServer(model, n_parallel=self.n_parallel, ctx_size=self.ctx_per_slot * self.n_parallel,
                            threads=self.threads, extra_args=[str(a) for a in extra])
+
+
+@dataclass
+class Lab:
+    """Everything notebook 13 sets up before its first server starts."""
+
+    profile: Any                  # `ops.profiles.profile(...)`
+    concurrency: int              # users at once (= the slots the `n_parallel` trial tries)
+    trials: dict[str, Any]        # knob -> value, `None` resolved to the profile's slots
+    tokenize: Any                 # the model's tokenizer (exact-length prompts)
+    max_tokens: int               # the users' forced answer length
+    workloads: dict[str, tuple]   # `tuning_workloads`, plus "users A/A" for the baseline
+    root: Any                     # this run's results folder
+    base_cfg: "ServerConfig"      # the first try: one slot, llama.cpp's defaults
+    card: Any                     # the model card (KV bytes per token, ...)
+
+    @property
+    def baseline_workloads(self) -> dict[str, tuple]:
+        """The trial workloads plus the users' requests once more ("users A/A", right after
+        the first run, on the same server): the A/A repeat every decision is judged against."""
+        return {"users": self.workloads["users"], "users A/A": self.workloads["users"],
+                **{k: v for k, v in self.workloads.items() if k != "users"}}
+
+
+def setup(profile_name: str, trials: dict[str, Any], *, threads: int | None, n_requests: int | None,
+          max_tokens: int | None, long_tokens: int, results_root) -> Lab:
+    """The lab of notebook 13: sizes from the profile, the same requests for every trial,
+    the baseline configuration and a timestamped results folder.
+
+    Args:
+        profile_name: "cpu" | "mac" | "gpu" (`ops.profiles`).
+        trials: one knob per trial; `None` as a value means the profile's slots.
+        threads: the baseline's -t (None: the profile's).
+        n_requests: users' requests per trial (None: slots + 2).
+        max_tokens: users' forced answer length (None: half the profile's max_tokens).
+        long_tokens: the two documents of the --cache-reuse case, together (tokens).
+        results_root: parent folder of this run's folder.
+    """
+    from pathlib import Path
+
+    from infercourse.models.embedded import vocab_tokenizer
+    from infercourse.models.modelcard import model_card
+    from infercourse.ops.profiles import profile
+    P = profile(profile_name)
+    C = P.parallel
+    tok = vocab_tokenizer(None)
+    mt = max_tokens or P.max_tokens // 2
+    W = tuning_workloads(tok, n_requests=n_requests or C + 2, concurrency=C, prompt_tokens=P.prompt_tokens,
+                         max_tokens=mt, long_tokens=long_tokens)
+    root = Path(results_root) / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = ServerConfig(n_parallel=1, ctx_per_slot=P.ctx_size // P.parallel, threads=threads or P.threads)
+    return Lab(P, C, {k: (C if v is None else v) for k, v in trials.items()}, tok, mt, W, root, base,
+               model_card(None))
 
 
 def serve_and_measure(config: ServerConfig, workloads: dict[str, Any], *, results_root=None,
@@ -213,146 +267,6 @@ def plot_stages(sessions: dict[str, dict[str, Any]], ax, workload: str = "users"
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize=8)
     return ax
-
-
-def decide(before, after, metric: str = "ttft_s", q: int = 50, *, goal: str = "lower") -> dict[str, Any]:
-    """Keep or revert: keep only if the after-percentile's interval lies wholly on the
-    better side of the before-percentile's interval. Overlapping intervals are noise; a
-    percentile with too few samples for an interval (p95 needs 72) cannot justify a change.
-
-    Args:
-        before, after: `per_request_frame`s (e.g. `BenchResult.df`).
-        metric, q: the column and percentile that define "better" (intervals from
-            `core.summary`: distribution-free order statistics).
-        goal: "lower" (latencies) or "higher" (speeds, counts).
-    """
-    if goal not in ("lower", "higher"):
-        raise ValueError(f"goal must be 'lower' or 'higher', got {goal!r}")
-    b, a = (summary.summarize(d, [metric]).loc[metric] for d in (before, after))
-    p, lo, hi = f"p{q}", f"p{q}_lo", f"p{q}_hi"
-    out = {"metric": metric, "q": q, "before": float(b[p]), "after": float(a[p]),
-           "before_ci": (float(b[lo]), float(b[hi])), "after_ci": (float(a[lo]), float(a[hi])),
-           "change": float(a[p] / b[p] - 1) if b[p] else math.nan}
-    if any(math.isnan(x) for x in (*out["before_ci"], *out["after_ci"])):
-        need = summary.min_n(q / 100)
-        return {**out, "decision": "revert",
-                "why": f"n too small for a p{q} interval (needs {need} requests): no evidence, keep the old setting"}
-    better = a[hi] < b[lo] if goal == "lower" else a[lo] > b[hi]
-    worse = a[lo] > b[hi] if goal == "lower" else a[hi] < b[lo]
-    why = ("better beyond noise" if better else "worse beyond noise" if worse else
-           "intervals overlap: within noise, so keep the old setting")
-    return {**out, "decision": "keep" if better else "revert", "why": why}
-
-
-def _target(session: dict[str, Any], target: str):
-    """`"workload:metric"` -> that run's per-request frame; a plain name -> a session scalar."""
-    if ":" in target:
-        name, metric = target.split(":", 1)
-        if name not in session["runs"]:
-            raise ValueError(f"session has no run {name!r}; it has {sorted(session['runs'])}")
-        return session["runs"][name].df, metric
-    if target not in session:
-        raise ValueError(f"session has no scalar {target!r}")
-    return float(session[target]), None
-
-
-class TuningLog:
-    """An append-only tuning log: one JSON line per trial in `<folder>/log.jsonl`.
-
-    A *session* is what `serve_and_measure` returns: a config, its runs (each with a
-    manifest of conditions on disk) and server scalars (RSS, KV MiB). Each line records
-    the time, the knob and its old/new value, the full config, the run folders, the
-    target before/after (a percentile with its interval, or a scalar), the guard, the
-    decision and why. `current` / `best` are the config and session kept so far.
-
-    Args:
-        folder: results folder (created); an existing log is appended to, never rewritten.
-        guard: a `"workload:metric"` whose p50 must not get worse beyond noise for a
-            change to be kept, whatever its target (a memory saving that slows users is
-            a trade-off to decide knowingly, not a silent keep).
-    """
-
-    def __init__(self, folder: str | Path, *, guard: str = "users:e2e_s"):
-        self.path = Path(folder) / "log.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.guard = guard
-        self.best: dict[str, Any] | None = None
-        self.entries: list[dict[str, Any]] = []
-
-    @property
-    def current(self) -> ServerConfig:
-        if self.best is None:
-            raise ValueError("record a baseline first")
-        return self.best["config"]
-
-    def _append(self, entry: dict[str, Any]) -> dict[str, Any]:
-        entry = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **entry}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry, default=str) + "\n")
-        self.entries.append(entry)
-        return entry
-
-    @staticmethod
-    def _dirs(session: dict[str, Any]) -> dict[str, str]:
-        return {k: str(r.dir) for k, r in session["runs"].items()}
-
-    def baseline(self, session: dict[str, Any], note: str = "") -> dict[str, Any]:
-        """Record the starting session (its config becomes `current`)."""
-        self.best = session
-        return self._append({"trial": "baseline", "knob": None, "config": asdict(session["config"]),
-                             "run_dirs": self._dirs(session), "decision": "baseline", "why": note})
-
-    def trial(self, knob: str, session: dict[str, Any], *, target: str = "users:e2e_s", q: int = 50,
-              goal: str = "lower", expected: str = "") -> dict[str, Any]:
-        """Compare a one-knob change with the kept session; keep or revert; append the line.
-
-        Args:
-            knob: the ServerConfig field that changed (checked: exactly that one).
-            session: `serve_and_measure` output under the changed config.
-            target: `"workload:metric"` (percentile `q` with its interval, see
-                `decide`) or a session scalar such as "kv_cache_mib" (lower by > 1 %).
-            goal: "lower" or "higher" is better for the target.
-            expected: the hypothesis: why this knob should help (logged).
-        """
-        cur, new = asdict(self.current), asdict(session["config"])
-        changed = [k for k in new if cur[k] != new[k]]
-        if changed != [knob]:
-            raise ValueError(f"trial must change exactly {knob!r} from the kept config; it changes {changed}")
-        (b, metric), (a, _) = _target(self.best, target), _target(session, target)
-        if metric is not None:
-            d = decide(b, a, metric, q, goal=goal)
-        else:
-            better = a < 0.99 * b if goal == "lower" else a > 1.01 * b
-            d = {"metric": target, "q": None, "before": b, "after": a, "change": a / b - 1 if b else math.nan,
-                 "decision": "keep" if better else "revert",
-                 "why": "better (a deterministic reading)" if better else "not better"}
-        gb, gm = _target(self.best, self.guard)
-        g = decide(gb, _target(session, self.guard)[0], gm, 50)
-        d["guard"] = f"{self.guard} p50 {g['before']:.3g} -> {g['after']:.3g} ({g['why']})"
-        if d["decision"] == "keep" and g["why"] == "worse beyond noise" and target != self.guard:
-            d.update(decision="revert", why=f"target better, but {self.guard} p50 worse beyond noise")
-        entry = self._append({"trial": f"{knob}={new[knob]}", "knob": knob, "from": cur[knob], "to": new[knob],
-                              "config": new, "run_dirs": self._dirs(session), "target": target,
-                              "expected": expected, **d})
-        if d["decision"] == "keep":
-            self.best = session
-        return entry
-
-    def frame(self) -> pd.DataFrame:
-        """The log as a table, oldest first (read back from disk: what a colleague sees)."""
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        cols = ["trial", "target", "before", "after", "change", "guard", "decision", "why", "expected"]
-        return pd.DataFrame(rows).reindex(columns=cols)
-
-
-def explain_log(frame: pd.DataFrame) -> str:
-    """One computed line per trial of a `TuningLog.frame()`: what moved, by how much, and
-    the decision with its reason (so the Explain text never claims an outcome)."""
-    lines = []
-    for _, r in frame[frame["decision"] != "baseline"].iterrows():
-        lines.append(f"- `{r['trial']}` on {r['target']}: {r['before']:.3g} → {r['after']:.3g} "
-                     f"({r['change']:+.0%}): **{r['decision']}**, {r['why']}.")
-    return "\n".join(lines) or "No trials ran."
 
 
 _KV_RE = re.compile(r"llama_kv_cache\S*:\s+size\s*=\s*([\d.]+)\s*MiB")

@@ -11,4 +11,5 @@ their conditions, read peer tools' results, compute this machine's ceilings, and
 | `roofline`  | bandwidth and FLOP/s probes, and the ceilings they put on a model     |
 | `plots`     | one function a figure: DataFrame in, matplotlib Axes out              |
 | `noise`     | contention gate, interleaved A/B trials, A/A noise floor, verdicts    |
+| `tuning_log`| keep or revert on the paired difference, and the log that says why   |
 """

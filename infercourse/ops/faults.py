@@ -62,6 +62,8 @@ FAULTS = {f.name: f for f in [
     Fault("overloaded", "first tokens take longer and longer", "engine", "2x more streams than slots"),
     Fault("memory_limited", "the server will not start (or dies under load)", "memory",
           "RLIMIT_AS below what the KV cache needs"),
+    Fault("memory_growth", "it worked for a while, then the server died", "memory",
+          "host prompt cache grows under an address-space limit"),
     Fault("model_missing", "a new model will not run", "model", "model file deleted before start"),
     Fault("model_corrupt", "a new model will not run", "model", "model file truncated"),
     Fault("context_overflow", "long sessions fail with HTTP 400", "context", "prompt > per-slot window"),
@@ -243,8 +245,8 @@ def _context_overflow(f: Injected, server, seconds: float):
 
 
 @contextlib.contextmanager
-def _network(f: Injected, server, seconds: float):
-    with _owned(server) as srv, netfaults.FaultProxy(srv.url, f.fault.name, max_s=seconds) as proxy:
+def _network(f: Injected, server, seconds: float, delay_s: float | None = None):
+    with _owned(server) as srv, netfaults.FaultProxy(srv.url, f.fault.name, max_s=seconds, delay_s=delay_s) as proxy:
         f.url, f.server, f.notes = proxy.url, srv, {"proxy": proxy.describe()}
         err, t0 = None, time.perf_counter()
         engine = netfaults.client_engine(proxy.url)
@@ -261,7 +263,7 @@ def _network(f: Injected, server, seconds: float):
 
 
 _RUN = {"killed": _killed, "frozen": _frozen, "overloaded": _overloaded,
-        "memory_limited": startfaults.memory_limited,
+        "memory_limited": startfaults.memory_limited, "memory_growth": startfaults.memory_growth,
         "model_missing": functools.partial(startfaults.model_file, corrupt=False),
         "model_corrupt": functools.partial(startfaults.model_file, corrupt=True),
         "context_overflow": _context_overflow, "template_breaks_tools": startfaults.template_breaks_tools,
@@ -269,7 +271,8 @@ _RUN = {"killed": _killed, "frozen": _frozen, "overloaded": _overloaded,
 
 
 @contextlib.contextmanager
-def inject(name: str, server: LlamaServer | None = None, *, seconds: float = 20.0) -> Iterator[Injected]:
+def inject(name: str, server: LlamaServer | None = None, *, seconds: float = 20.0,
+           delay_s: float | None = None) -> Iterator[Injected]:
     """Put one fault in place for the `with` block, then undo it.
 
     Args:
@@ -278,11 +281,15 @@ def inject(name: str, server: LlamaServer | None = None, *, seconds: float = 20.
             Faults at start (memory_limited, model_*, template_breaks_tools) start their own.
         seconds: the longest the fault may last (a frozen server resumes, load stops, a proxy
             passes traffic through) even if the block never ends.
+        delay_s: the size of a delay fault (`latency`, `slow_first_byte`; None: netfaults'
+            default), e.g. scaled to the route's own baseline so that it shows on any machine.
     """
     if name not in FAULTS:
         raise ValueError(f"unknown fault {name!r}; choose one of {sorted(FAULTS)}")
+    if delay_s is not None and name not in netfaults.DEFAULT_DELAY_S:
+        raise ValueError(f"delay_s sizes only {sorted(netfaults.DEFAULT_DELAY_S)}, not {name!r}")
     f = Injected(FAULTS[name], url="")
-    with _RUN[name](f, server, seconds):
+    with _RUN[name](f, server, seconds, **({"delay_s": delay_s} if delay_s is not None else {})):
         yield f
 
 

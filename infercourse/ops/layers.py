@@ -270,7 +270,9 @@ def _kv(ev: dict) -> LayerCheck:
     ratio = (ev.get("kv") or {}).get("usage_ratio")
     if ratio is None:
         return _c("KV cache", "ok", "usage not exported here")
-    return _c("KV cache", "warn" if ratio > 0.95 else "ok", f"{ratio:.0%} of the KV cache in use", usage_ratio=ratio)
+    src = (ev.get("kv") or {}).get("source") or "/metrics"
+    return _c("KV cache", "warn" if ratio > 0.95 else "ok", f"{ratio:.0%} of the KV cache in use ({src})",
+              usage_ratio=ratio, source=src)
 
 
 def _memory(ev: dict) -> LayerCheck:

@@ -14,7 +14,7 @@ timeouts, so a frozen or dead server costs seconds, not minutes:
 | runtime  | /props `build_info`, the `-t` threads on the command line              |
 | model    | /props `model_path`, `chat_template`; /apply-template of a tool turn   |
 | context  | /tokenize of the prompt you give vs the per-slot window                |
-| KV cache | /metrics `kv_cache_usage_ratio` where the server still exports it      |
+| KV cache | /metrics `kv_cache_usage_ratio`, else the tokens `/slots` holds         |
 | memory   | server RSS, available RAM, swap (psutil)                               |
 | hardware | 1-min load per core, GPUs (nvidia-smi)                                 |
 
@@ -212,7 +212,14 @@ def collect_http(url: str, *, server: Any = None, pid: int | None = None, log_pa
             tok = _post(c, base + "/tokenize", {"content": prompt, "add_special": True})
             body = (tok or {}).get("body")
             ev["context"]["prompt_tokens"] = len(body["tokens"]) if isinstance(body, dict) and "tokens" in body else None
-    ev["kv"] = {"usage_ratio": ev["engine"]["metrics"].get("llamacpp:kv_cache_usage_ratio")}
+    ratio, source = ev["engine"]["metrics"].get("llamacpp:kv_cache_usage_ratio"), "/metrics kv_cache_usage_ratio"
+    if ratio is None and ev["engine"].get("slots"):
+        # this llama-server build exports no KV gauge: tokens the slots hold over their context,
+        # as the soak samples it (ops.sampling.slots_usage)
+        from infercourse.ops.sampling import slots_usage
+        u = slots_usage(ev["engine"]["slots"])
+        ratio, source = u["kv_used_frac"], f"/slots: {u['kv_used_tokens']} of {u['kv_ctx_tokens']} tokens held"
+    ev["kv"] = {"usage_ratio": ratio, "source": source if ratio is not None else None}
     ev["memory"] = {"rss_bytes": ev["server"]["process"].get("rss_bytes"), **machine_info()}
     return ev
 

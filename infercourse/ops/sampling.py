@@ -39,7 +39,7 @@ import pandas as pd
 from infercourse.core import summary
 from infercourse.measure.hardware import gpu_stats
 
-__all__ = ["prometheus_values", "slots_usage", "process_rss_mib", "ServerSampler", "drift",
+__all__ = ["headline", "prometheus_values", "slots_usage", "process_rss_mib", "ServerSampler", "drift",
            "load_samples", "soak_summary"]
 
 SAMPLES = "samples.jsonl"
@@ -235,13 +235,20 @@ def soak_summary(df: pd.DataFrame, samples: pd.DataFrame, events: list[dict],
         df: per-request frame; samples: `load_samples`; events: the supervisor's events.
         duration_s: the soak's planned duration.
     """
-    out: dict[str, Any] = {"duration_s": duration_s, "requests": len(df),
+    crashes = sum(e["event"] == "crash" for e in events)
+    drill = [e["t_s"] for e in events if e["event"] == "drill_kill"]
+    out: dict[str, Any] = {"duration_s": duration_s, "requests": len(df), "crashes": crashes,
                            "restarts": sum(e["event"] == "restart" for e in events),
-                           "downtime_s": float(sum(e.get("took_s", 0) for e in events if e["event"] == "restart"))}
+                           "downtime_s": float(sum(e.get("took_s", 0) for e in events if e["event"] == "restart")),
+                           # the guide's three: crashes per hour of soak, failed requests, time serving
+                           "crash_rate_per_h": crashes / (duration_s / 3600) if duration_s else float("nan"),
+                           # when a crash drill fired (soak clock, s); NaN: it did not fire inside the soak
+                           "drill_at_s": float(drill[0]) if drill else float("nan")}
     # a request cut off by the soak's end is not a server error; count it apart
     cut = df["status"].eq("incomplete") if len(df) else pd.Series(dtype=bool)
     out["incomplete_at_end"] = int(cut.sum())
     out["error_rate"] = summary.error_rate(df[~cut]) if len(df[~cut]) else float("nan")
+    out["error_rate_pct"] = 100 * out["error_rate"]
     out.update({k: v for k, v in summary.throughput(df).items() if k in ("requests_per_s", "output_tok_per_s")}
                if len(df) else {})
     ok = df[df["status"] == "ok"] if len(df) else df
@@ -252,6 +259,7 @@ def soak_summary(df: pd.DataFrame, samples: pd.DataFrame, events: list[dict],
         out["cache_hit_rate"] = float(ok["cached_tokens"].fillna(0).sum() / prompt) if prompt else float("nan")
     if len(samples) and "up" in samples:
         out["uptime_frac"] = float(samples["up"].fillna(False).astype(bool).mean())
+        out["uptime_pct"] = 100 * out["uptime_frac"]
     for col, name in (("kv_used_frac", "kv_used_frac_max"), ("llamacpp:requests_deferred", "deferred_max"),
                       ("rss_mib", "rss_mib_max")):
         if len(samples) and col in samples:
@@ -266,3 +274,15 @@ def soak_summary(df: pd.DataFrame, samples: pd.DataFrame, events: list[dict],
             out.update(rss_drift_mib_per_h=d["slope_per_h"], rss_drift_lo=d["lo_per_h"],
                        rss_drift_hi=d["hi_per_h"], rss_drift_samples=d["n"])
     return out
+
+
+def headline(s: dict[str, Any]) -> str:
+    """The guide's three stability numbers by name, with units, from a `soak_summary`:
+    crash rate (crashes per hour), error rate (% of requests that failed, those cut off by
+    the soak's end apart) and uptime (% of samples in which the server answered)."""
+    nan = float("nan")
+    hours = s.get("duration_s", nan) / 3600
+    return (f"crash rate {s.get('crash_rate_per_h', nan):.3g} /h ({s.get('crashes', 0)} crash(es) in {hours:.3g} h) · "
+            f"error rate {s.get('error_rate_pct', nan):.1f} % of {s.get('requests', 0) - s.get('incomplete_at_end', 0)} "
+            f"requests ({s.get('incomplete_at_end', 0)} cut off at the end, not counted) · "
+            f"uptime {s.get('uptime_pct', nan):.1f} % of samples")

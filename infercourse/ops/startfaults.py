@@ -21,7 +21,8 @@ from infercourse.core.errors import HardwareLayerError, InferCourseError
 from infercourse.models.embedded import embedded_gguf
 from infercourse.servers.llama import LlamaServer
 
-__all__ = ["small_server", "memory_limited", "model_file", "template_breaks_tools", "BROKEN_TEMPLATE"]
+__all__ = ["small_server", "memory_limited", "memory_growth", "model_file", "template_breaks_tools",
+           "BROKEN_TEMPLATE"]
 
 
 def small_server(**kw: Any) -> LlamaServer:
@@ -80,6 +81,56 @@ def memory_limited(f, server, seconds: float):
     f.notes = {"limit_bytes": base + margin, "calibrated_vms_bytes": base, "ctx_size": ctx}
     try:
         _start_failing(f, srv)
+        yield
+    finally:
+        srv.stop()
+
+
+@contextlib.contextmanager
+def memory_growth(f, server, seconds: float, *, prompts: int = 24, tokens: int = 600, room: int = 4):
+    """A server that starts, serves, and dies of memory *after a run*: llama-server's host
+    prompt cache (`--cache-ram`, 8 GiB by default) copies each replaced prompt's KV into
+    RAM, and an address-space limit (RLIMIT_AS) leaves room for only `room` of them.
+
+    Args:
+        f: the `Injected` record to fill.
+        server: unused (the fault starts its own server, calibrated on a twin).
+        seconds: unused (the fault is over when the server has died or `prompts` were sent).
+        prompts, tokens: distinct prompts sent one after another, each `tokens` long.
+        room: saved prompts the limit leaves room for, beyond the server's own address space.
+    """
+    if not sys.platform.startswith("linux"):
+        raise HardwareLayerError("RLIMIT_AS is only enforced on Linux", hint="this fault is skipped here")
+    import psutil
+
+    from infercourse.core.types import Request, generate
+    from infercourse.measure.workloads import exact_length_prompt
+    from infercourse.models.embedded import vocab_tokenizer
+    from infercourse.models.modelcard import model_card
+    kw = {"threads": 1, "n_parallel": 1, "ctx_size": 2 * tokens, "extra_args": ["--cache-ram", "8192"],
+          "startup_timeout_s": 60}
+    twin = LlamaServer(**kw).start()      # its address space once it has answered one request
+    try:
+        generate(twin.engine(timeout=60), Request(prompt="Say hello.", max_tokens=2))
+        base = psutil.Process(twin.pid).memory_info().vms
+    finally:
+        twin.stop()
+    step = tokens * model_card(None).kv_bytes_per_token(2)
+    srv = _Limited(base + room * step + (32 << 20), **kw)
+    f.notes = {"limit_bytes": srv.limit_bytes, "calibrated_vms_bytes": base, "step_bytes": step, "answered": 0}
+    tok = vocab_tokenizer(None)
+    try:
+        srv.start()
+        engine = srv.engine(timeout=60)
+        for i in range(prompts):
+            try:
+                generate(engine, Request(prompt=exact_length_prompt(tokens, tok, seed=500 + i), max_tokens=1))
+                f.notes["answered"] += 1
+            except InferCourseError as e:
+                f.saw(e)
+                break
+        engine.close()
+        f.url, f.server = srv.url, srv
         yield
     finally:
         srv.stop()

@@ -1,0 +1,210 @@
+"""Keep or revert, and write it down: the decision rule and the log of a tuning session.
+
+A knob "made it faster" only when the change is larger than what the machine does on its
+own. `decide` compares the same requests before and after a change and keeps it only when
+the evidence says *better beyond noise*; anything else is a revert, with the reason.
+`TuningLog` appends one JSON line per trial (the knob, its old and new value, the whole
+configuration, the run folders with their manifests, the numbers, the decision and why),
+so a colleague, or you next month, can trust or redo the result.
+
+The log does not know what a server is: a *session* is any dict with a `config` (a
+dataclass), `runs` ({workload: a run with a per-request `df` and a `dir`}) and scalars
+(e.g. `kv_cache_mib`). Notebook 13 fills it with llama-server trials.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from infercourse.measure import noise
+
+__all__ = ["decide", "TuningLog", "explain_log"]
+
+
+def _pairs(before: pd.DataFrame, after: pd.DataFrame, metric: str) -> tuple[list[float], list[float]]:
+    """Values of `metric` for the requests that succeeded in both runs, paired by request_id
+    (every trial sends the same requests, so request i before and after is one pair)."""
+    def ok(df):
+        return df[df["status"] == "ok"].set_index("request_id")[metric] if "request_id" in df \
+            else df[df["status"] == "ok"][metric].reset_index(drop=True)
+    both = pd.concat([ok(before).rename("a"), ok(after).rename("b")], axis=1, join="inner").dropna()
+    return both["a"].tolist(), both["b"].tolist()
+
+
+def decide(before, after, metric: str = "ttft_s", *, goal: str = "lower", floor: float = 0.0,
+           aa: pd.DataFrame | None = None) -> dict[str, Any]:
+    """Keep or revert, on the *paired* difference: the same requests before and after.
+
+    Each request i gives a ratio after_i / before_i; `noise.compare` puts a distribution-free
+    interval on the median ratio and keeps the change only when the whole interval lies
+    beyond the noise band 1 ± floor on the better side. The floor is the A/A noise floor:
+    the baseline measured twice (`aa`), so "better" means better than the machine does to
+    itself. Two overlapping per-run intervals are NOT the test: with a few requests each
+    interval is nearly the whole sample, and a 40% cut still "overlaps".
+
+    Args:
+        before, after: per-request frames (`BenchResult.df`) of the same requests.
+        metric: the column that defines "better".
+        goal: "lower" (latencies) or "higher" (speeds, counts).
+        floor: the A/A noise floor as a fraction (0.08: differences within ±8% are noise).
+        aa: the baseline's repeat run (the same config, the same requests); when given, the
+            floor is computed from it (`noise.noise_floor`) and `floor` is ignored.
+    """
+    if goal not in ("lower", "higher"):
+        raise ValueError(f"goal must be 'lower' or 'higher', got {goal!r}")
+    if aa is not None:
+        floor = noise.noise_floor(*_pairs(before, aa, metric)).floor
+    a, b = _pairs(before, after, metric)
+    c = noise.compare(a, b, floor, higher_is_better=goal == "higher", labels=("before", "after"), word="better")
+    iv = c.interval
+    out = {"metric": metric, "before": float(pd.Series(a).median()), "after": float(pd.Series(b).median()),
+           "ratio": iv.median, "ratio_ci": (iv.lo, iv.hi), "floor": floor, "pairs": iv.n,
+           "change": iv.median - 1, "verdict": c.text}
+    note = "" if iv.exact else f" (only {iv.n} pairs: the whole range, not a 95% interval)"
+    if c.verdict == "after better":
+        return {**out, "decision": "keep", "why": f"better beyond noise{note}"}
+    if c.verdict == "before better":
+        return {**out, "decision": "revert", "why": f"worse beyond noise{note}"}
+    return {**out, "decision": "revert",
+            "why": f"within noise: the paired interval [{iv.lo:.2f}, {iv.hi:.2f}] reaches the band "
+                   f"1 ± {floor:.0%}, so keep the old setting{note}"}
+
+
+def _target(session: dict[str, Any], target: str):
+    """`"workload:metric"` -> that run's per-request frame; a plain name -> a session scalar."""
+    if ":" in target:
+        name, metric = target.split(":", 1)
+        if name not in session["runs"]:
+            raise ValueError(f"session has no run {name!r}; it has {sorted(session['runs'])}")
+        return session["runs"][name].df, metric
+    if target not in session:
+        raise ValueError(f"session has no scalar {target!r}")
+    return float(session[target]), None
+
+
+class TuningLog:
+    """An append-only tuning log: one JSON line per trial in `<folder>/log.jsonl`.
+
+    A *session* is what `serve_and_measure` returns: a config, its runs (each with a
+    manifest of conditions on disk) and server scalars (RSS, KV MiB). Each line records
+    the time, the knob and its old/new value, the full config, the run folders, the
+    target before/after (the median paired ratio with its interval and the A/A floor, or
+    a scalar), the guard, the decision and why. `current` / `best` are the config and
+    session kept so far.
+
+    The noise floor: when the baseline session also holds `"<workload> A/A"` (the same
+    requests run again on the same config), every paired decision on that workload is
+    judged against the floor that repeat shows (`noise.noise_floor`).
+
+    Args:
+        folder: results folder (created); an existing log is appended to, never rewritten.
+        guard: a `"workload:metric"` whose median must not get worse beyond noise for a
+            change to be kept, whatever its target (a memory saving that slows users is
+            a trade-off to decide knowingly, not a silent keep).
+    """
+
+    AA = " A/A"
+
+    def __init__(self, folder: str | Path, *, guard: str = "users:e2e_s"):
+        self.path = Path(folder) / "log.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.guard = guard
+        self.base: dict[str, Any] | None = None
+        self.best: dict[str, Any] | None = None
+        self.entries: list[dict[str, Any]] = []
+
+    @property
+    def current(self) -> ServerConfig:
+        if self.best is None:
+            raise ValueError("record a baseline first")
+        return self.best["config"]
+
+    def _append(self, entry: dict[str, Any]) -> dict[str, Any]:
+        entry = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **entry}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry, default=str) + "\n")
+        self.entries.append(entry)
+        return entry
+
+    @staticmethod
+    def _dirs(session: dict[str, Any]) -> dict[str, str]:
+        return {k: str(r.dir) for k, r in session["runs"].items()}
+
+    def baseline(self, session: dict[str, Any], note: str = "") -> dict[str, Any]:
+        """Record the starting session (its config becomes `current`)."""
+        self.best = self.base = session
+        return self._append({"trial": "baseline", "knob": None, "config": asdict(session["config"]),
+                             "run_dirs": self._dirs(session), "decision": "baseline", "why": note})
+
+    def floor(self, target: str) -> float:
+        """The A/A noise floor of a `"workload:metric"` (0 when the baseline has no repeat)."""
+        name, metric = target.split(":", 1)
+        runs = (self.base or {}).get("runs", {})
+        if name + self.AA not in runs:
+            return 0.0
+        return noise.noise_floor(*_pairs(runs[name].df, runs[name + self.AA].df, metric)).floor
+
+    def trial(self, knob: str, session: dict[str, Any], *, target: str = "users:e2e_s",
+              goal: str = "lower", expected: str = "") -> dict[str, Any]:
+        """Compare a one-knob change with the kept session; keep or revert; append the line.
+
+        Args:
+            knob: the ServerConfig field that changed (checked: exactly that one).
+            session: `serve_and_measure` output under the changed config.
+            target: `"workload:metric"` (paired requests, see `decide`) or a session
+                scalar such as "kv_cache_mib" (lower by > 1 %).
+            goal: "lower" or "higher" is better for the target.
+            expected: the hypothesis: why this knob should help (logged).
+        """
+        cur, new = asdict(self.current), asdict(session["config"])
+        changed = [k for k in new if cur[k] != new[k]]
+        if changed != [knob]:
+            raise ValueError(f"trial must change exactly {knob!r} from the kept config; it changes {changed}")
+        (b, metric), (a, _) = _target(self.best, target), _target(session, target)
+        if metric is not None:
+            d = decide(b, a, metric, goal=goal, floor=self.floor(target))
+        else:
+            better = a < 0.99 * b if goal == "lower" else a > 1.01 * b
+            d = {"metric": target, "q": None, "before": b, "after": a, "change": a / b - 1 if b else math.nan,
+                 "decision": "keep" if better else "revert",
+                 "why": "better (a deterministic reading)" if better else "not better"}
+        gb, gm = _target(self.best, self.guard)
+        g = decide(gb, _target(session, self.guard)[0], gm, floor=self.floor(self.guard))
+        d["guard"] = f"{self.guard} median {g['before']:.3g} -> {g['after']:.3g} ({g['why'].split(':')[0]})"
+        if d["decision"] == "keep" and g["why"].startswith("worse beyond noise") and target != self.guard:
+            d.update(decision="revert", why=f"target better, but {self.guard} worse beyond noise")
+        entry = self._append({"trial": f"{knob}={new[knob]}", "knob": knob, "from": cur[knob], "to": new[knob],
+                              "config": new, "run_dirs": self._dirs(session), "target": target,
+                              "expected": expected, **d})
+        if d["decision"] == "keep":
+            self.best = session
+        return entry
+
+    def frame(self) -> pd.DataFrame:
+        """The log as a table, oldest first (read back from disk: what a colleague sees)."""
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        cols = ["trial", "target", "before", "after", "change", "ratio_ci", "floor", "guard", "decision", "why",
+                "expected"]
+        return pd.DataFrame(rows).reindex(columns=cols)
+
+
+def explain_log(frame: pd.DataFrame) -> str:
+    """One computed line per trial of a `TuningLog.frame()`: what moved (medians; for paired
+    targets the ratio's interval and the A/A floor), and the decision with its reason (so
+    the Explain text never claims an outcome)."""
+    lines = []
+    for _, r in frame[frame["decision"] != "baseline"].iterrows():
+        ci = r.get("ratio_ci")
+        paired = (f"; paired ratio interval [{ci[0]:.2f}, {ci[1]:.2f}], A/A floor ±{r['floor']:.0%}"
+                  if isinstance(ci, (list, tuple)) else "")
+        lines.append(f"- `{r['trial']}` on {r['target']}: {r['before']:.3g} → {r['after']:.3g} "
+                     f"({r['change']:+.0%}{paired}): **{r['decision']}**, {r['why']}.")
+    return "\n".join(lines) or "No trials ran."
+
+

@@ -1,0 +1,75 @@
+"""Notebooks 15-17's lessons, the parts that need no server: evidence shown without the
+answer, the guide's suspects beside the layer found, and a route named only beyond noise."""
+import numpy as np
+import pandas as pd
+import pytest
+
+from infercourse.lessons import capstone, symptoms, troubleshooting
+
+
+def test_client_errors_lose_their_layer_tags_before_the_guess():
+    err = "server at 127.0.0.1:5 answered HTTP 400: request exceeds the context (context layer)"
+    assert troubleshooting.untagged(err) == "server at 127.0.0.1:5 answered HTTP 400: request exceeds the context"
+    assert troubleshooting.untagged("stream cut (API layer). the server may have crashed").endswith("crashed")
+    assert troubleshooting.untagged(None) is None
+
+
+class _Report:
+    failed = None
+
+    def __str__(self):
+        return "THE REPORT"
+
+
+def test_reveal_hides_the_report_until_a_layer_is_named(capsys):
+    d = troubleshooting.Drill("frozen", "hangs", None, "server", report=_Report())
+    graded = []
+    assert troubleshooting.reveal(d, None, lambda *a, **k: graded.append(a)) is None
+    assert "THE REPORT" not in capsys.readouterr().out and not graded
+    troubleshooting.reveal(d, "b", lambda *a, **k: graded.append(a) or True)
+    assert "THE REPORT" in capsys.readouterr().out and graded[0][2] == troubleshooting.key_of("server")
+    troubleshooting.reveal(d, "?", lambda *a, **k: graded.append(a))
+    assert "THE REPORT" in capsys.readouterr().out and len(graded) == 1          # "?" shows without grading
+
+
+def test_symptom_rows_keep_the_guides_suspects_and_say_why_they_differ():
+    assert symptoms.SYMPTOMS["agent stuck"][0] == ("context", "KV cache", "memory")
+    assert symptoms.SYMPTOMS["tokens slow"][0] == ("runtime", "quantization", "hardware")
+    row = symptoms.SymptomRow("agent stuck", *symptoms.SYMPTOMS["agent stuck"], layer="server")
+    assert "frozen" in row.differs() and row.as_dict()["guide's suspects"] == "context → KV cache → memory"
+    same = symptoms.SymptomRow("tokens slow", *symptoms.SYMPTOMS["tokens slow"], layer="hardware")
+    assert same.differs() == ""
+    sheet = symptoms.blank_sheet(["agent stuck", "tokens slow"])
+    assert list(sheet.columns) == ["guide's suspects", "your layer"] and (sheet["your layer"] == "").all()
+
+
+def test_evidence_is_one_clean_line_without_html():
+    text = symptoms._clean("answered HTTP 502: <html><body><h1>502 Bad Gateway</h1></body></html>\n more")
+    assert text == "answered HTTP 502: 502 Bad Gateway more"
+    assert len(symptoms._clean("x" * 500)) == 240
+
+
+def _replay(route, e2e, status=None):
+    n = len(e2e)
+    return pd.DataFrame({"route": route, "request_id": range(n), "e2e_s": e2e, "ttft_s": np.array(e2e) / 2,
+                         "status": status or ["ok"] * n, "error": [None] * n})
+
+
+def test_changed_most_needs_a_change_beyond_the_routes_aa_floor():
+    base = pd.concat([_replay("C", [1.0, 2.0, 3.0]), _replay("D", [1.0, 1.0, 1.0])])
+    again = pd.concat([_replay("C", [1.1, 1.8, 3.3]), _replay("D", [1.6, 0.7, 1.5])])   # D is noisy
+    floor = capstone.floors(base, again)
+    assert floor["C"] == pytest.approx(0.1) and floor["D"] == pytest.approx(0.6)
+    # D x1.5 by chance, within its floor; C +40%, beyond its floor of 10%: C is named
+    inc = pd.concat([_replay("C", [1.4, 2.8, 4.2]), _replay("D", [1.5, 1.5, 1.5])])
+    route, why = capstone.changed_most(base, inc, floor)
+    assert route == "C" and "x1.4" in why
+    quiet = pd.concat([_replay("C", [1.05, 2.0, 3.1]), _replay("D", [1.5, 1.5, 1.5])])
+    assert capstone.changed_most(base, quiet, floor)[0] is None
+    errs = pd.concat([_replay("C", [1.0, 2.0, 3.0]), _replay("D", [1.0, 1.0, 1.0], ["ok", "error", "ok"])])
+    assert capstone.changed_most(base, errs, floor)[0] == "D"
+
+
+def test_incident_doctor_gives_nothing_away_without_a_suspect():
+    inc = capstone.Incident(0, "latency", "C", snapshots={"C": "REPORT C"})
+    assert "Name the route" in inc.doctor(None) and inc.doctor("C") == "REPORT C"
