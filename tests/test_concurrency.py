@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from infercourse.lessons import concurrency as cc
+from infercourse.lessons import goodput as gp
 
 CARD = {"n_params": 100e6, "weight_bytes": 50e6, "n_layers": 10, "n_kv_heads": 2, "head_dim": 64}
 MACHINE = {"bandwidth_gbs": 10.0, "matmul_gflops_f32": 100.0}
@@ -29,13 +30,49 @@ def test_context_lowers_the_memory_ceiling():
     assert at4k == pytest.approx(10e9 / (50e6 + kv)) and at4k < at0
 
 
+def test_each_sequence_reads_its_own_kv_cache():
+    """b·BW / (weights + b·KV·ctx): with a long context the KV reads, not the weights,
+    bound the batch (the old formula shared one KV cache across the batch)."""
+    ctx, kv = 1024, 2 * 10 * 2 * 64 * 2
+    t = cc.batch_ceiling(CARD, {**MACHINE, "matmul_gflops_f32": 1e9}, [1, 64], context=ctx)
+    assert t.loc[64, "memory_bound_tok_per_s"] == pytest.approx(64 * 10e9 / (50e6 + 64 * kv * ctx))
+    assert t.loc[64, "memory_bound_tok_per_s"] < 64 * t.loc[1, "memory_bound_tok_per_s"] / 2
+
+
+def test_compute_ceiling_keeps_the_lm_head():
+    """Decode multiplies by the LM head every token: a tied card's n_params, not n_params - vocab·hidden."""
+    card = {**CARD, "vocab_size": 1000, "hidden_size": 20_000}       # a 20 M-parameter head
+    t = cc.batch_ceiling(card, MACHINE, [1])
+    assert t.loc[1, "compute_bound_tok_per_s"] == pytest.approx(100e9 / (2 * 100e6))
+
+
+def test_littles_law_against_the_servers_own_count():
+    t = pd.DataFrame({"requests_per_s": [2.0, 3.0], "e2e_s_mean": [0.5, 1.0], "L_server": [0.9, 2.0]},
+                     index=pd.Index([1, 3], name="concurrency"))
+    law = cc.littles_law(t)
+    assert law["law_vs_server"].tolist() == pytest.approx([1.0 / 0.9, 1.5])
+    open_loop = cc.littles_law(t.rename_axis("offered_req_per_s"))
+    assert "users" not in open_loop and "L_server" in open_loop
+
+
+def test_scaled_slo_and_ceiling_note():
+    t = pd.DataFrame({"ttft_s_p50": [0.2, 0.5], "tpot_s_p50": [0.02, 0.03], "output_tok_per_s": [5.0, 6.0]},
+                     index=pd.Index([1, 4], name="concurrency"))
+    assert gp.scaled_slo(t, {"ttft_s": 3, "tpot_s": 2}) == pytest.approx({"ttft_s": 0.6, "tpot_s": 0.04})
+    ceil = pd.DataFrame({"memory_bound_tok_per_s": [1000.0, 4000.0], "compute_bound_tok_per_s": [1400.0, 1400.0]},
+                        index=[1, 4])
+    assert "neither roof" in gp.ceiling_note(t, ceil) and "wall" not in gp.ceiling_note(t, ceil)
+    near = gp.ceiling_note(t.assign(output_tok_per_s=[5.0, 900.0]), ceil)
+    assert "compute wall" in near
+
+
 def test_littles_law_and_knee_on_a_table():
     t = pd.DataFrame({"requests_per_s": [2.0, 3.5, 4.0], "e2e_s_mean": [0.5, 0.57, 1.0],
                       "output_tok_per_s": [64.0, 112.0, 120.0]}, index=pd.Index([1, 2, 4], name="concurrency"))
     law = cc.littles_law(t)
     assert law["L_predicted"].tolist() == pytest.approx([1.0, 1.995, 4.0])
-    assert cc.knee(t) == 2                                    # 2 -> 4 gained only 7 %
-    assert cc.knee(t, min_gain=0.05) == 4
+    assert gp.knee(t) == 2                                    # 2 -> 4 gained only 7 %
+    assert gp.knee(t, min_gain=0.05) == 4
 
 
 def test_staggered_varies_lengths_only():
@@ -53,8 +90,11 @@ def test_goodput_by_level_counts_requests_meeting_every_slo():
                        "scheduled_t": [0.0, 0.0, 1.0, 1.0], "end_t": [1.0, 1.5, 2.0, 2.0],
                        "prompt_tokens": [10, 10, 10, 10]})
     run = types.SimpleNamespace(df=df, manifest={"label": "np4"})
-    g = cc.goodput_by_level([run], {"ttft_s": 0.5, "tpot_s": 0.1})
-    assert g.loc["np4", "good_fraction"] == 0.25 and g.loc["np4", "goodput_req_per_s"] == pytest.approx(0.5)
+    g = gp.goodput_by_level([run, types.SimpleNamespace(df=df, manifest={"label": "np4-r1"})],
+                            {"ttft_s": 0.5, "tpot_s": 0.1})
+    # goodput is a rate (1 good request over a 2 s window); attainment is the share, pooled over repeats
+    assert list(g.index) == ["np4"] and g.loc["np4", "goodput_req_per_s"] == pytest.approx(0.5)
+    assert g.loc["np4", "slo_attainment"] == 0.25
 
 
 def test_fixed_workload_is_exact_and_distinct():
@@ -74,8 +114,20 @@ def test_np_sweep_obeys_littles_law(tmp_path):
     law = cc.littles_law(table)
     # closed loop: L = λW cannot exceed the users, and stays close to it
     assert (law["L_predicted"] <= law["users"] * 1.05).all() and (law["L_predicted"] >= 0.5 * law["users"]).all()
+    # the server's own count of requests in it can never exceed its slots
+    assert (law["L_server"].dropna() <= law["users"] + 1e-9).all()
     assert "-np" in runs[1].manifest["server"]["argv"] and runs[1].manifest["server"]["argv"][
         runs[1].manifest["server"]["argv"].index("-np") + 1] == "2"
+
+
+@pytest.mark.slow
+def test_np_sweep_repeats_with_an_aa_floor(tmp_path):
+    wl = cc.fixed_workload(32, 4, 2)
+    table, runs = cc.np_sweep(wl, [1, 2], requests_per_level=2, threads=1, ctx_per_slot=96, repeats=2)
+    assert len(runs) == 4 and set(table["verdict"]) <= {"reference", "within noise", "np2 more tok/s",
+                                                         "np1 more tok/s"}
+    assert table.attrs["noise_floor"] >= 0 and "A/A" in table.attrs["noise_floor_text"]
+    assert table.loc[1, "gain"] == 1.0 and table.loc[2, "gain_lo"] <= table.loc[2, "gain"] <= table.loc[2, "gain_hi"]
 
 
 @pytest.mark.slow

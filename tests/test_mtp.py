@@ -87,3 +87,41 @@ def test_trained_heads_small_version_is_cached_by_content(transformers_engine, t
     assert len(list((tmp_path / "mtp").glob("*.pt"))) == 2
     acc = mtp.heldout_acceptance(heads["medusa"], mtp.trunk_features(eng.model, held["docs"]), held["start"])
     assert list(acc["head"]) == ["t+2", "t+3"] and (acc["positions"] > 0).all()
+
+
+def test_training_budget_bounds_the_steps_and_says_so(tiny):
+    """A budget of 0 s runs only the minimum; the log reports steps run against steps asked
+    (no wall-clock bound is asserted: the count is what the budget controls)."""
+    feats = mtp.trunk_features(tiny, _docs())
+    _, log = mtp.train_heads(tiny, feats, n_heads=2, kind="medusa", steps=150, batch=64, budget_s=0.0, min_steps=7)
+    assert log["steps"] == 7 == len(log["losses"]) and log["steps_asked"] == 150
+    _, full = mtp.train_heads(tiny, feats, n_heads=2, kind="medusa", steps=30, batch=64)
+    assert full["steps"] == 30
+
+
+def test_compare_drafters_repeats_interleaved_with_an_aa_floor(tiny):
+    from infercourse.lessons.draft_verify import compare_drafters
+    ids = _docs(1, 8)[0]
+    df = compare_drafters(tiny, ids, 6, {"plain": lambda s, h: [], "echo": lambda s, h: s[-2:]}, repeats=3)
+    assert list(df["drafter"]) == ["plain", "echo"] and df["verdict"].iloc[0] == "reference"
+    assert df["verdict"].iloc[1] in {"plain faster", "echo faster", "within noise"}
+    assert (df["speed_up_lo"] <= df["speed_up"]).all() and (df["speed_up"] <= df["speed_up_hi"]).all()
+    assert "A/A" in df.attrs["noise_floor_text"] and df["identical"].all()
+    one = compare_drafters(tiny, ids, 6, {"plain": lambda s, h: []}, repeats=1)
+    assert one["speed_up"].iloc[0] == 1.0 and "no A/A" in one.attrs["noise_floor_text"]
+
+
+def test_pass_cost_times_each_width_against_one(tiny):
+    from infercourse.lessons.draft_verify import pass_cost
+    t = pass_cost(tiny, _docs(1, 10)[0], (1, 3, 11), repeats=2, passes=1)
+    assert list(t.index) == [1, 3, 11] and t.loc[1, "verdict"] == "reference"
+    assert (t["cpu_ms_per_pass"] > 0).all() and (t["cost_vs_1_lo"] <= t["cost_vs_1_hi"]).all()
+    assert set(t["verdict"].iloc[1:]) <= {"costs more than 1 position", "cheaper than 1 position",
+                                          "within noise of 1 position"}
+
+
+def test_versus_yardstick_needs_a_gap_beyond_the_spread():
+    assert mtp.versus_yardstick(0.065, 0.065, 400).startswith("no better")    # 08's Medusa t+3 case
+    assert mtp.versus_yardstick(0.20, 0.065, 400).startswith("clear of")
+    assert mtp.versus_yardstick(0.08, 0.065, 100).startswith("no better")     # 1.5 pp on 100 positions: noise
+    assert mtp.versus_yardstick(0.01, 0.10, 1000).startswith("below")

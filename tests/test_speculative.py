@@ -140,3 +140,19 @@ def test_hand_loop_is_exact_counts_passes_and_matches_transformers(transformers_
     assert wrong["tokens"] == truth and wrong["accepted"] == 0 and wrong["passes"] == n
     with pytest.raises(ValueError):
         speculative_greedy(m, ids[:1], n, lambda s, h: [])
+
+
+def test_speed_ups_are_judged_against_the_baselines_aa_rerun():
+    """Synthetic trials: a config twice as fast clears the floor; one 2% faster does not."""
+    import pandas as pd
+    from infercourse.lessons.speculative import _judge
+    rows = []
+    for rep in range(6):
+        jitter = 1 + 0.01 * ((rep * 7) % 5 - 2)
+        for cfg, e2e in (("hf", 1.0), ("fast", 0.5), ("same", 0.98), ("hf (A/A)", 1.0 * (1 + 0.03 * (rep % 3 - 1)))):
+            rows.append({"config": cfg, "prompt": "p", "rep": rep, "e2e_s": e2e * jitter, "text": "t"})
+    df = _judge(pd.DataFrame(rows), {"hf": "hf", "fast": "hf", "same": "hf"}, {"hf (A/A)": "hf"}).set_index("config")
+    assert "hf (A/A)" not in df.index and df.loc["hf", "verdict"] == "reference"
+    assert df.loc["fast", "verdict"] == "fast faster" and df.loc["fast", "speed_up"] == pytest.approx(2.0)
+    assert df.loc["same", "verdict"] == "within noise" and df.loc["same", "noise_floor"] > 0.02
+    assert df["identical_output"].all()

@@ -13,7 +13,7 @@ A concept two notebooks share gets its own module (e.g. `draft_verify`, used by 
 | `speculative`, `draft_verify`, `spec_server` | 07 speculative decoding |
 | `mtp`              | 08 multi-token prediction                            |
 | `latency`          | 09 latency metrics                                   |
-| `concurrency`      | 10 concurrency and continuous batching               |
+| `concurrency`, `goodput` | 10 concurrency and continuous batching (measuring the curve; reading it) |
 | `memory`           | 11 context and memory                                |
 | `fair`             | 12 a fair benchmark                                  |
 | `tuning`, `classic_problems` | 13 tuning                                  |

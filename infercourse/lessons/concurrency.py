@@ -9,17 +9,24 @@ other. Three ideas carry the lesson:
   server can finish, the queue (and W) grows without bound.
 - **Batching pays while decode is memory-bound**: one decode step streams every weight
   from memory for *one* token per sequence. With B sequences in the batch the same read
-  serves B tokens, so arithmetic intensity (FLOPs per byte) grows with B, and so does
-  throughput, until the machine's FLOP/s, not its bandwidth, is the limit.
-  `batch_ceiling` computes both ceilings; quantized weights cost extra arithmetic
-  (dequantization) per byte, so a Q4 file reaches the compute wall at a smaller B.
+  serves B tokens, but each sequence still reads its *own* KV cache, so the ceiling is
+  B x bandwidth / (weights + B x KV bytes x context): it rises with B until either the
+  KV reads dominate or the machine's FLOP/s (2 FLOPs per parameter per token, the LM
+  head included) is the limit. `batch_ceiling` computes both; quantized weights cost
+  extra arithmetic (dequantization) per byte, so a Q4 file reaches the compute wall at a
+  smaller B.
 - **Continuous batching**: llama-server's slots join the running batch as soon as a
   request arrives (`-cb`, the default); without it (`-nocb`), a new request waits for
   the batch in flight to finish, and its TTFT shows the wait.
 
-The knee of the throughput-latency curve is where added concurrency stops buying
-throughput and only buys latency; goodput (requests that met the SLO, per second) is
-the number to tune for.
+Reading the curve this module measures (the knee, goodput, what limits it) is in
+`lessons.goodput`.
+
+Every comparison is repeated and interleaved (`measure.noise`): each level runs
+`repeats` times in ABBA order beside an A/A rerun of the first level, and a gain counts
+only when its paired interval clears that A/A floor. Little's law is checked against an
+independent L: llama-server's own `requests_processing + requests_deferred`, sampled
+during the run.
 """
 from __future__ import annotations
 
@@ -32,12 +39,12 @@ import pandas as pd
 
 from infercourse.core import summary
 from infercourse.core.types import Request
-from infercourse.measure import bench, roofline
+from infercourse.measure import bench, noise, roofline
 from infercourse.measure.workloads import Workload, exact_length_prompt
 from infercourse.models.embedded import vocab_tokenizer
 
-__all__ = ["fixed_workload", "batch_ceiling", "np_sweep", "vllm_sweep", "staggered", "littles_law", "cb_compare",
-           "open_loop", "knee", "goodput_by_level", "plot_throughput_latency"]
+__all__ = ["fixed_workload", "decode_params_per_token", "batch_ceiling", "np_sweep", "vllm_sweep", "staggered", "littles_law", "cb_compare",
+           "open_loop"]
 
 
 def fixed_workload(prompt_tokens: int, max_tokens: int, n: int, *, model: str | Path | None = None,
@@ -57,11 +64,20 @@ def fixed_workload(prompt_tokens: int, max_tokens: int, n: int, *, model: str | 
     return Workload(f"fixed-{prompt_tokens}in-{max_tokens}out-x{n}", reqs)
 
 
+def decode_params_per_token(card: Any) -> float:
+    """Parameters every decoded token is multiplied by: all of them, the LM head included
+    (tied embeddings are counted once in the card, and the head multiplies by that matrix
+    while the input lookup is free). Prefill's `roofline.prefill_params_per_token` leaves
+    the head out because it runs for the last prompt token only; decode runs it every token."""
+    return float(card["n_params"] if isinstance(card, dict) else card.n_params)
+
+
 def batch_ceiling(card: Any, machine: dict[str, Any], batch_sizes: Sequence[int], context: int = 0) -> pd.DataFrame:
     """Aggregate decode ceiling when B sequences share each pass over the weights.
 
-    memory bound: B x bandwidth / bytes per decoded token (weights + KV read once per step)
-    compute bound: FLOP/s / (2 x params)   (every token still costs 2 FLOPs per parameter)
+    memory bound: B x bandwidth / (weights + B x KV bytes per token x context): the weights
+        are read once per step for the whole batch, but each sequence reads its own KV cache
+    compute bound: FLOP/s / (2 x params), the LM head included (`decode_params_per_token`)
     The ceiling is the lower of the two; the crossover B is the machine's balance point.
 
     Args:
@@ -69,12 +85,15 @@ def batch_ceiling(card: Any, machine: dict[str, Any], batch_sizes: Sequence[int]
         batch_sizes: sequences decoded together.
         context: tokens already cached per sequence.
     """
-    per_token = roofline.bytes_per_decoded_token(card, context)
-    compute = roofline.prefill_ceiling_tok_per_s(machine["matmul_gflops_f32"], card)
+    weights = roofline.bytes_per_decoded_token(card, 0)
+    kv_ctx = roofline.bytes_per_decoded_token(card, context) - weights     # one sequence's KV read
+    params = decode_params_per_token(card)
+    compute = machine["matmul_gflops_f32"] * 1e9 / (2 * params)
     rows = []
     for b in batch_sizes:
-        mem = b * machine["bandwidth_gbs"] * 1e9 / per_token
-        rows.append({"batch": b, "flops_per_byte": roofline.arithmetic_intensity(card, b),
+        step_bytes = weights + b * kv_ctx
+        mem = b * machine["bandwidth_gbs"] * 1e9 / step_bytes
+        rows.append({"batch": b, "flops_per_byte": 2 * params * b / step_bytes,
                      "memory_bound_tok_per_s": mem, "compute_bound_tok_per_s": compute,
                      "ceiling_tok_per_s": min(mem, compute), "bound": "memory" if mem < compute else "compute"})
     return pd.DataFrame(rows).set_index("batch")
@@ -96,29 +115,70 @@ def _row(r: bench.BenchResult, **labels: Any) -> dict[str, Any]:
     return row
 
 
+def _queue_length(srv, run_one) -> tuple[bench.BenchResult, float]:
+    """Run `run_one()` while sampling llama-server's `requests_processing + requests_deferred`
+    every 0.25 s; returns the run and the mean over samples inside its window (NaN if none):
+    the L that Little's law predicts, read from the server instead of computed from λW."""
+    import tempfile
+
+    from infercourse.ops.sampling import ServerSampler
+    with tempfile.TemporaryDirectory() as tmp:
+        smp = ServerSampler(srv.url, lambda: None, tmp, interval_s=0.25, gpu=False).start()
+        try:
+            r = run_one()
+        finally:
+            smp.stop()
+    lo, hi = r.df["scheduled_t"].min(), r.df["end_t"].max()
+    q = [x["llamacpp:requests_processing"] + x.get("llamacpp:requests_deferred", 0.0) for x in smp.rows
+         if "llamacpp:requests_processing" in x and lo <= smp.t0 + x["t_s"] <= hi]
+    return r, float(np.mean(q)) if q else np.nan
+
+
 def np_sweep(workload: Workload, levels: Sequence[int], *, requests_per_level: int, model=None,
              threads: int | None = None, ctx_per_slot: int = 512, extra_args: Sequence[str] = (),
-             out_dir: str | Path | None = None) -> tuple[pd.DataFrame, list[bench.BenchResult]]:
-    """For each level N: a llama-server with N slots (`-np N`) loaded by N closed-loop users.
+             out_dir: str | Path | None = None, repeats: int = 1) -> tuple[pd.DataFrame, list[bench.BenchResult]]:
+    """For each level N: a llama-server with N slots (`-np N`) loaded by N closed-loop users,
+    `repeats` times in ABBA order, plus (repeats >= 2) an A/A rerun of the first level.
 
-    Returns one row per level (throughput, p50/p95 TTFT/TPOT/E2E, mean E2E) and the runs.
+    Returns one row per level (the median over repeats of: throughput, p50/p95 TTFT/TPOT/E2E,
+    mean E2E, and `L_server`, the server's own mean requests processing + deferred) and the
+    runs (A/A reruns excluded). With repeats >= 2 each row also has `gain` (median paired
+    ratio of output tok/s to the first level), `gain_lo`/`gain_hi` and `verdict` against
+    the A/A floor (`attrs["noise_floor"]`, `attrs["noise_floor_text"]`).
 
     Args:
         workload: requests (e.g. `fixed_workload`), cycled.
         levels: concurrent users = slots.
-        requests_per_level: requests measured per level (after one warm-up).
+        requests_per_level: requests measured per level and repeat (after one warm-up).
         model, threads, ctx_per_slot, extra_args: the servers' settings.
-        out_dir: each level saves `np<N>/` under it.
+        out_dir: each trial saves `np<N>[-r<rep>]/` under it.
+        repeats: trials per level (>= 2 for a noise floor and verdicts).
     """
-    rows, runs = [], []
-    for n in levels:
+    def trial(n: int, label: str):
         with _server(model, n, ctx_per_slot, threads, extra_args) as srv:
-            r = bench.run(srv.engine(api="completions"), workload, pattern="concurrency", concurrency=n,
-                          max_requests=requests_per_level, out_dir=Path(out_dir) / f"np{n}" if out_dir else None,
-                          label=f"np{n}", progress=False, conditions={"server": srv.describe()})
-        rows.append(_row(r, concurrency=n))
-        runs.append(r)
-    return pd.DataFrame(rows).set_index("concurrency"), runs
+            r, L = _queue_length(srv, lambda: bench.run(
+                srv.engine(api="completions"), workload, pattern="concurrency", concurrency=n,
+                max_requests=requests_per_level, out_dir=Path(out_dir) / label if out_dir else None,
+                label=label, progress=False, conditions={"server": srv.describe()}))
+        return _row(r, concurrency=n, L_server=L), r
+
+    arms = {f"np{n}": n for n in levels}
+    aa = "np%d-A/A" % levels[0] if repeats > 1 else None
+    if aa:
+        arms[aa] = levels[0]
+    trials, runs = noise.run_arms(arms, repeats, lambda n, label: trial(n, label.replace("/", "")))
+    keep = trials["arm"] != aa
+    table = trials[keep].drop(columns=["arm", "rep"]).groupby("concurrency").median()
+    table["requests"] = table["requests"].astype(int)
+    verdicts, floor = noise.compare_arms(trials, "output_tok_per_s", f"np{levels[0]}", aa, higher_is_better=True)
+    if floor is not None:
+        for n in levels:
+            c = verdicts.get(f"np{n}")
+            table.loc[n, ["gain", "gain_lo", "gain_hi"]] = (c.interval.median, c.interval.lo, c.interval.hi) \
+                if c else (1.0, 1.0, 1.0)
+            table.loc[n, "verdict"] = c.verdict.replace(" faster", " more tok/s") if c else "reference"
+        table.attrs.update(noise_floor=floor.floor, noise_floor_text=floor.text())
+    return table, [r for r, k in zip(runs, keep) if k]
 
 
 def vllm_sweep(workload: Workload, levels: Sequence[int], *, requests_per_level: int, url: str | None = None,
@@ -149,11 +209,18 @@ def vllm_sweep(workload: Workload, levels: Sequence[int], *, requests_per_level:
 
 
 def littles_law(table: pd.DataFrame) -> pd.DataFrame:
-    """L = λ W per level: λ = completed requests/s, W = mean time in system (E2E from the
-    scheduled send). In a closed loop L should equal the number of users."""
+    """L = λ W per level or rate: λ = completed requests/s, W = mean time in system (E2E from
+    the scheduled send). In a closed loop λW equals the users by construction (an identity,
+    not a test); the independent check is `L_server`, the server's own mean count of
+    requests processing + deferred, when the table has it (`law_vs_server` = λW / L_server:
+    above 1, the client held requests the server never saw: queueing in the client, HTTP)."""
     out = pd.DataFrame({"lambda_req_per_s": table["requests_per_s"], "W_s": table["e2e_s_mean"]})
     out["L_predicted"] = out["lambda_req_per_s"] * out["W_s"]
-    out["users"] = table.index
+    if table.index.name == "concurrency":
+        out["users"] = table.index
+    if "L_server" in table:
+        out["L_server"] = table["L_server"]
+        out["law_vs_server"] = out["L_predicted"] / out["L_server"]
     return out
 
 
@@ -168,83 +235,58 @@ def staggered(workload: Workload, factors: Sequence[float] = (0.25, 1.0, 2.0)) -
 
 
 def cb_compare(workload: Workload, concurrency: int, *, requests: int, model=None, threads: int | None = None,
-               ctx_per_slot: int = 512, out_dir: str | Path | None = None) -> pd.DataFrame:
-    """The same load with continuous batching on (`-cb`) and off (`-nocb`). Pass a
-    `staggered` workload: with identical lengths the two cannot differ.
+               ctx_per_slot: int = 512, out_dir: str | Path | None = None, repeats: int = 1) -> pd.DataFrame:
+    """The same load with continuous batching on (`-cb`) and off (`-nocb`), `repeats` times
+    in ABBA order with (repeats >= 2) an A/A rerun of `-cb`. Pass a `staggered` workload:
+    with identical lengths the two cannot differ. One row per setting (median over
+    repeats); `attrs["verdict"]` judges TTFT p95 against the A/A floor.
 
     Args:
-        workload: requests; concurrency: users = slots; requests: measured per setting.
+        workload: requests; concurrency: users = slots; requests: measured per setting and repeat.
         model, threads, ctx_per_slot: the server's settings; out_dir: runs saved under it.
+        repeats: trials per setting.
     """
-    rows = []
-    for flag, name in (("-cb", "continuous batching"), ("-nocb", "no continuous batching")):
+    names = {"-cb": "continuous batching", "-nocb": "no continuous batching"}
+
+    def trial(flag: str, label: str):
         with _server(model, concurrency, ctx_per_slot, threads, [flag]) as srv:
             r = bench.run(srv.engine(api="completions"), workload, pattern="concurrency", concurrency=concurrency,
-                          max_requests=requests, out_dir=Path(out_dir) / flag.strip("-") if out_dir else None,
-                          label=name, progress=False, conditions={"server": srv.describe()})
-        rows.append(_row(r, setting=name, flag=flag))
-    return pd.DataFrame(rows).set_index("setting")
+                          max_requests=requests, out_dir=Path(out_dir) / label.strip("-") if out_dir else None,
+                          label=names[flag], progress=False, conditions={"server": srv.describe()})
+        return _row(r, setting=names[flag], flag=flag), r
+
+    arms = {"continuous batching": "-cb", "no continuous batching": "-nocb"}
+    aa = "continuous batching (A/A)" if repeats > 1 else None
+    if aa:
+        arms[aa] = "-cb"
+    trials, _ = noise.run_arms(arms, repeats, lambda flag, label: trial(flag, label.replace(" ", "_").replace("/", "")))
+    keep = trials["arm"] != aa
+    out = trials[keep].drop(columns=["arm", "rep"]).groupby(["setting", "flag"]).median().reset_index("flag")
+    verdicts, floor = noise.compare_arms(trials, "ttft_s_p95", "continuous batching", aa, higher_is_better=False)
+    if floor is not None:
+        out.attrs.update(verdict=f"TTFT p95: {verdicts['no continuous batching']}", noise_floor=floor.floor,
+                         noise_floor_text=floor.text())
+    return out.loc[list(names.values())]
 
 
 def open_loop(engine, workload: Workload, rates: Sequence[float], *, requests: int, seed: int = 0,
-              out_dir: str | Path | None = None) -> pd.DataFrame:
+              out_dir: str | Path | None = None, server=None) -> pd.DataFrame:
     """Poisson arrivals at each rate: offered vs achieved rate, and latency from the
     *scheduled* send (queueing included). Above capacity the queue, and TTFT, keep growing.
+    With `server` (a running `LlamaServer`), `L_server` is its sampled queue length, for
+    Little's law on the open loop.
 
     Args:
         engine: an HTTP engine on a running server; rates: requests/s offered.
         requests: per rate; seed: the arrival schedule's seed.
+        server: the server behind `engine`, to sample its queue (None: no `L_server`).
     """
     rows = []
     for rate in rates:
-        r = bench.run(engine, workload, pattern="poisson", rate_rps=rate, max_requests=requests, seed=seed,
-                      out_dir=Path(out_dir) / f"rate{rate:g}" if out_dir else None, label=f"poisson {rate:g}/s",
-                      progress=False)
-        rows.append(_row(r, offered_req_per_s=rate))
+        def run_one(rate=rate):
+            return bench.run(engine, workload, pattern="poisson", rate_rps=rate, max_requests=requests, seed=seed,
+                             out_dir=Path(out_dir) / f"rate{rate:g}" if out_dir else None,
+                             label=f"poisson {rate:g}/s", progress=False)
+        r, L = _queue_length(server, run_one) if server is not None else (run_one(), np.nan)
+        rows.append(_row(r, offered_req_per_s=rate, L_server=L))
     return pd.DataFrame(rows).set_index("offered_req_per_s")
-
-
-def knee(table: pd.DataFrame, *, min_gain: float = 0.15) -> int:
-    """The last level whose throughput still rose by at least `min_gain` (15 %) over the
-    level before: beyond it, more concurrency buys latency, not throughput."""
-    tput = table["output_tok_per_s"].to_numpy(float)
-    best = table.index[0]
-    for i in range(1, len(tput)):
-        if tput[i] >= tput[i - 1] * (1 + min_gain):
-            best = table.index[i]
-        else:
-            break
-    return int(best)
-
-
-def goodput_by_level(runs: Sequence[bench.BenchResult], slos: dict[str, float]) -> pd.DataFrame:
-    """Goodput per run: share of requests meeting every SLO, and how many per second."""
-    import warnings
-    rows = []
-    for r in runs:
-        with warnings.catch_warnings():      # "no request met ..." shows as a 0 in the table
-            warnings.simplefilter("ignore", UserWarning)
-            g = summary.goodput(r.df, slos)
-        rows.append({"run": r.manifest.get("label"), "good_fraction": g["good_fraction"],
-                     "goodput_req_per_s": g["goodput_requests_per_s"],
-                     "throughput_req_per_s": summary.throughput(r.df)["requests_per_s"]})
-    return pd.DataFrame(rows).set_index("run")
-
-
-def plot_throughput_latency(table: pd.DataFrame, *, latency: str = "ttft_s_p95", slo_s: float | None = None,
-                            ceiling_tok_per_s: float | None = None, ax=None, label: str | None = None):
-    """Throughput (x) against tail latency (y), one point per level, labelled; the SLO as a
-    horizontal line and the batching ceiling as a vertical one."""
-    import matplotlib.pyplot as plt
-    ax = ax or plt.subplots(figsize=(6.5, 4))[1]
-    ax.plot(table["output_tok_per_s"], table[latency], marker="o", label=label)
-    for lvl, x, y in zip(table.index, table["output_tok_per_s"], table[latency]):
-        ax.annotate(f"{lvl}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    if slo_s:
-        ax.axhline(slo_s, color="tab:red", ls="--", lw=1, label=f"SLO {latency} ≤ {slo_s:g} s")
-    if ceiling_tok_per_s:
-        ax.axvline(ceiling_tok_per_s, color="grey", ls=":", lw=1, label="compute ceiling")
-    ax.set(xlabel="throughput (output tokens/s)", ylabel=f"{latency.replace('_s_', ' ')} (s)",
-           title="Throughput vs latency (labels: concurrent users)", ylim=(0, None))
-    ax.legend(fontsize=8)
-    return ax

@@ -18,7 +18,11 @@ yields between 1 and k+1 tokens.
   rejections rare: a draft is accepted with probability Σ_x min(p(x), q(x)).
   `rejection_demo` checks that by drawing many times.
 - `compare_drafters`: the greedy loop with several drafters on one prompt, timed (wall
-  clock and process CPU time), with each output compared to plain decoding's.
+  clock and process CPU time), repeated and interleaved with an A/A rerun of plain
+  decoding so each speed-up is judged against the noise floor (`measure.noise`), with each
+  output compared to plain decoding's.
+- `pass_cost`: the CPU time of one pass over 1, 3, 11 positions: what verifying k guesses
+  costs on this hardware, the number that decides whether a drafter pays.
 
 Hand-written because the libraries that do this (transformers' assisted generation,
 llama.cpp's speculative paths) bury the twenty lines under batching and caching.
@@ -29,7 +33,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["speculative_greedy", "rejection_sample", "rejection_demo", "compare_drafters", "plot_drafters"]
+from infercourse.measure import noise
+
+__all__ = ["speculative_greedy", "rejection_sample", "rejection_demo", "compare_drafters", "pass_cost",
+           "plot_drafters"]
 
 Drafter = Callable[[list, object], Sequence[int]]
 
@@ -116,14 +123,19 @@ def rejection_demo(p: Sequence[float], q: Sequence[float], n: int = 20_000, seed
 
 
 def compare_drafters(model, ids: Sequence[int], max_new: int, drafters: dict, *, repeats: int = 1):
-    """Run `speculative_greedy` once per drafter (plus a warm-up); one row per drafter:
-    seconds (wall clock) and cpu_s (this process's CPU time), each the best of `repeats`,
-    passes, tokens_per_pass, acceptance_rate, speed_up over the first drafter (from CPU
-    time), speed_up_wall (from wall clock) and identical (same tokens as the first).
+    """Run `speculative_greedy` with each drafter, `repeats` times in interleaved (rotating)
+    order, the first drafter twice per round (its A/A rerun: the noise floor). One row per
+    drafter: seconds (wall) and cpu_s (this process's CPU time), medians over repeats;
+    passes, tokens_per_pass, acceptance_rate; speed_up over the first drafter (median
+    paired ratio of CPU time) with its interval `speed_up_lo`/`speed_up_hi`, and `verdict`
+    against the A/A floor (`measure.noise`); speed_up_wall (same, wall clock); identical
+    (same tokens as the first). `attrs["noise_floor_text"]` states the floor.
 
     Why CPU time: on a machine shared with other programs, they stretch the wall clock of
     a run without changing the work it does; the process's CPU time follows the work. On
-    an idle machine with the model on one thread the two agree.
+    an idle machine with the model on one thread the two agree. Why repeats: one run of
+    each is a single draw; two variants with the same passes and tokens per pass can show
+    2.09× and 0.98× from noise alone.
 
     Args:
         model: a transformers causal LM.
@@ -131,26 +143,91 @@ def compare_drafters(model, ids: Sequence[int], max_new: int, drafters: dict, *,
         max_new: tokens to generate.
         drafters: {name: propose(tokens, hidden)}; put plain decoding (`lambda s, h: []`)
             first: it is the reference for speed and output.
-        repeats: runs per drafter; the fastest is kept.
+        repeats: runs per drafter (>= 2 for a floor and verdicts; 6 for a 95% interval).
     """
     import time
 
     import pandas as pd
     speculative_greedy(model, ids, 2, lambda s, h: [])  # warm-up: first-call allocations
-    rows, ref = [], None
-    for name, propose in drafters.items():
-        wall = cpu = float("inf")
-        for _ in range(max(1, repeats)):
+    ref = next(iter(drafters))
+    arms = dict(drafters)
+    aa = f"{ref} (A/A)" if repeats > 1 else None
+    if aa:
+        arms[aa] = drafters[ref]
+    res, wall = {}, {a: [] for a in arms}
+
+    def timed(label):
+        def go():
             t0, c0 = time.perf_counter(), time.process_time()
-            res = speculative_greedy(model, ids, max_new, propose)
-            wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
-        ref = ref or {"tokens": res["tokens"], "wall": wall, "cpu": cpu}
-        rows.append({"drafter": name, "seconds": wall, "cpu_s": cpu, "passes": res["passes"],
-                     "tokens_per_pass": res["tokens_per_pass"], "proposed": res["proposed"],
-                     "accepted": res["accepted"], "acceptance_rate": res["acceptance_rate"],
-                     "speed_up": ref["cpu"] / cpu, "speed_up_wall": ref["wall"] / wall,
-                     "identical": res["tokens"] == ref["tokens"], "tokens": res["tokens"]})
-    return pd.DataFrame(rows)
+            res[label] = speculative_greedy(model, ids, max_new, arms[label])
+            wall[label].append(time.perf_counter() - t0)    # an arm's trials run in block order
+            return time.process_time() - c0
+        return go
+    cpu = noise.run_interleaved({a: timed(a) for a in arms}, repeats, pattern="rotate", warmup=0)
+    floor = noise.noise_floor(cpu[ref], cpu[aa]) if aa else None
+    rows = []
+    for name in drafters:
+        r, up = res[name], noise.paired_interval(cpu[name], cpu[ref])     # ref / this: > 1 is faster
+        verdict = noise.compare(cpu[ref], cpu[name], floor, labels=(ref, name)).verdict if floor else "1 run: not judged"
+        rows.append({"drafter": name, "seconds": float(np.median(wall[name])), "cpu_s": float(np.median(cpu[name])),
+                     "passes": r["passes"], "tokens_per_pass": r["tokens_per_pass"], "proposed": r["proposed"],
+                     "accepted": r["accepted"], "acceptance_rate": r["acceptance_rate"],
+                     "speed_up": up.median, "speed_up_lo": up.lo, "speed_up_hi": up.hi,
+                     "verdict": "reference" if name == ref else verdict,
+                     "speed_up_wall": noise.paired_interval(wall[name], wall[ref]).median,
+                     "identical": r["tokens"] == res[ref]["tokens"], "tokens": r["tokens"]})
+    out = pd.DataFrame(rows)
+    out.attrs["noise_floor_text"] = floor.text() if floor else "repeats = 1: no A/A floor"
+    return out
+
+
+def pass_cost(model, ids: Sequence[int], widths: Sequence[int] = (1, 3, 11), *, repeats: int = 6,
+              passes: int = 4):
+    """CPU time of one target pass over k new positions on top of a cached prompt, for each
+    k in `widths`: what verifying k - 1 guesses costs, against the plain pass (k = 1).
+
+    Each trial times `passes` passes (the cache cropped back after each); widths run
+    interleaved (rotating), with k = 1 twice per round for its A/A floor. One row per width:
+    `cpu_ms_per_pass` (median), `cost_vs_1` (median paired ratio) with `_lo`/`_hi`, and
+    `verdict` ("costs more than 1 position", "within noise" ...).
+
+    Args:
+        model: a transformers causal LM; ids: prompt token ids (at least 2).
+        widths: positions per pass to time (1 is the reference; put it first).
+        repeats: trials per width; passes: passes per trial (a 135M pass is ~10-30 ms).
+    """
+    import time
+
+    import pandas as pd
+    import torch
+    from transformers import DynamicCache
+    trunk, head, cache = model.base_model, model.get_output_embeddings(), DynamicCache()
+    with torch.inference_mode():
+        trunk(torch.tensor([ids[:-1]]), cache=cache)
+        n = cache.get_seq_length()
+
+        def timed(k):
+            x = torch.tensor([(list(ids) * k)[:k]])
+            def go():
+                c0 = time.process_time()
+                for _ in range(passes):
+                    head(trunk(x, cache=cache).last_hidden_state[0])   # logits at every position, as verify does
+                    cache.crop(n - cache.get_seq_length())                # negative: drop the k just added
+                return (time.process_time() - c0) / passes
+            return go
+        arms = {f"{k}": timed(k) for k in widths} | {"1 (A/A)": timed(1)}
+        cpu = noise.run_interleaved(arms, repeats, pattern="rotate", warmup=1)
+    floor = noise.noise_floor(cpu["1"], cpu["1 (A/A)"])
+    rows = []
+    for k in widths:
+        iv, c = noise.paired_interval(cpu["1"], cpu[f"{k}"]), noise.compare(cpu["1"], cpu[f"{k}"], floor)
+        verdict = {"A faster": "costs more than 1 position", "B faster": "cheaper than 1 position"}.get(
+            c.verdict, "within noise of 1 position")
+        rows.append({"positions": k, "cpu_ms_per_pass": 1e3 * float(np.median(cpu[f"{k}"])), "cost_vs_1": iv.median,
+                     "cost_vs_1_lo": iv.lo, "cost_vs_1_hi": iv.hi, "verdict": "reference" if k == 1 else verdict})
+    out = pd.DataFrame(rows).set_index("positions")
+    out.attrs["noise_floor_text"] = floor.text()
+    return out
 
 
 def plot_drafters(df, ceiling: float | None = None, axes=None):

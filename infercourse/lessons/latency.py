@@ -32,14 +32,15 @@ from infercourse.core import metrics, reconcile, summary
 from infercourse.core.trace import RequestTrace, record
 from infercourse.core.types import Request
 from infercourse.engines.openai_http import OpenAIHTTPEngine
-from infercourse.measure import bench
+from infercourse.measure import bench, noise
 from infercourse.measure.results import new_run_dir
 from infercourse.measure.workloads import exact_length_prompt
 from infercourse.ops.profiles import Profile, require
 from infercourse.servers import LlamaServer
 
-__all__ = ["serve", "requests_for", "one_request", "anatomy", "sequential", "distribution_table",
-           "peer_table", "rechunk", "chunking_table", "predicted_wait", "overload", "measured_wait", "wait_table", "server_vs_client"]
+__all__ = ["serve", "requests_for", "one_request", "anatomy", "sequential", "distribution_table", "pooled_tail_by_blocks",
+           "peer_table", "rechunk", "chunking_table", "predicted_wait", "overload", "measured_wait", "wait_table", "server_vs_client",
+           "clock_verdicts"]
 
 
 @contextlib.contextmanager
@@ -104,10 +105,43 @@ def distribution_table(df: pd.DataFrame, itl: pd.DataFrame, ci: float = 0.95) ->
     def cell(m: str, p: int) -> str:
         v, lo, hi = (s.loc[m, f"p{p}{x}"] * 1e3 for x in ("", "_lo", "_hi"))
         if np.isnan(lo):
-            return f"{v:.4g} (n too small: need {summary.min_n(p / 100, ci)})"
-        return f"{v:.4g} [{lo:.4g}, {hi:.4g}]"
+            return f"{_ms(v)} (n too small: need {summary.min_n(p / 100, ci)})"
+        return f"{_ms(v)} [{_ms(lo)}, {_ms(hi)}]"
     return pd.DataFrame({"n": s["count"].astype(int), "mean (ms)": (s["mean"] * 1e3).round(1),
                          **{f"p{p} (ms)": [cell(m, p) for m in s.index] for p in (50, 95, 99)}}, index=s.index)
+
+
+def _ms(v: float) -> str:
+    """Milliseconds in one fixed-point style (no 1.094e+04 beside 412.3): 2 decimals under
+    10 ms, 1 under 1,000, none above, with thousands separators."""
+    return "nan" if np.isnan(v) else f"{v:,.2f}" if abs(v) < 10 else f"{v:,.1f}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def pooled_tail_by_blocks(itl: pd.DataFrame, q: float = 99, *, ci: float = 0.95, n_boot: int = 2000,
+                          seed: int = 0) -> dict[str, float]:
+    """The pooled ITL q-th percentile with an interval that keeps each request's gaps together.
+
+    The order-statistic interval of `summary.summarize` assumes the gaps are independent.
+    They are not: a stall (the OS preempting the server, a neighbour's burst) slows several
+    consecutive gaps of one request, so the slow gaps come in bursts and the effective
+    sample is nearer the number of requests than the number of gaps. Resampling whole
+    requests (a block bootstrap, one block per request) keeps the bursts intact; when its
+    interval is much wider than the independent one, believe the wider.
+
+    Args:
+        itl: an `itl_frame` (ok requests are used).
+        q: the percentile; ci: confidence level; n_boot, seed: resamples and their seed.
+    """
+    ok = itl[itl["status"] == "ok"]
+    blocks = [g["itl_s"].to_numpy(float) for _, g in ok.groupby("request_id")]
+    if len(blocks) < 2:
+        return {"p": float("nan"), "lo": float("nan"), "hi": float("nan"), "blocks": len(blocks)}
+    rng = np.random.default_rng(seed)
+    boots = [np.percentile(np.concatenate([blocks[i] for i in rng.integers(0, len(blocks), len(blocks))]), q)
+             for _ in range(n_boot)]
+    a = (1 - ci) / 2
+    return {"p": float(np.percentile(np.concatenate(blocks), q)), "lo": float(np.quantile(boots, a)),
+            "hi": float(np.quantile(boots, 1 - a)), "blocks": len(blocks)}
 
 
 def _p(x, q) -> float:
@@ -246,3 +280,33 @@ def wait_table(waits: dict[str, dict[str, float]]) -> pd.DataFrame:
     t.loc[ms] = t.loc[ms] * 1e3
     t.index = [k.removesuffix("_s").replace("_", " ") + (" (ms)" if k in ms else " (x capacity)") for k in t.index]
     return t.round(1)
+
+
+def clock_verdicts(unloaded: pd.DataFrame, loaded: pd.DataFrame, metric: str = "ttft") -> pd.DataFrame:
+    """Does an overload run look slower than the unloaded one, on each clock? The A/A noise
+    floor comes from the unloaded run itself: its even and odd requests are the same
+    configuration, interleaved. Each clock's loaded values are then paired with unloaded
+    ones by position (independent draws: under "no difference" each ratio is as likely
+    above 1 as below, which is all the median's interval needs) and judged with
+    `noise.compare`. A send clock that says "within noise" under overload is coordinated
+    omission caught in the act.
+
+    Args:
+        unloaded, loaded: per-request frames (ok rows are used).
+        metric: "ttft" or "e2e": compares `<metric>_s` (from the schedule) and
+            `<metric>_from_send_s`.
+    """
+    base = unloaded[unloaded["status"] == "ok"][f"{metric}_s"].to_numpy(float)
+    load = loaded[loaded["status"] == "ok"].sort_values("scheduled_t")
+    floor = noise.noise_floor(base[0::2][:len(base) // 2], base[1::2][:len(base) // 2])
+    rows = {}
+    for clock, col in (("from the scheduled send", f"{metric}_s"), ("from the actual send", f"{metric}_from_send_s")):
+        x = load[col].to_numpy(float)
+        n = min(len(base), len(x))
+        c = noise.compare(base[:n], x[:n], floor, labels=("unloaded", "overload"))
+        rows[f"{metric.upper()} {clock}"] = {"median overload / unloaded": c.interval.median, "lo": c.interval.lo,
+                                             "hi": c.interval.hi, "pairs": c.interval.n,
+                                             "verdict": c.verdict.replace("unloaded faster", "overload slower")}
+    out = pd.DataFrame(rows).T
+    out.attrs["noise_floor_text"] = floor.text()
+    return out

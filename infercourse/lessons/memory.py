@@ -38,7 +38,8 @@ from infercourse.models.embedded import resolve_model, vocab_tokenizer
 from infercourse.ops.sampling import process_rss_mib
 
 __all__ = ["KV_TYPE_BYTES", "log_buffers", "predict_memory", "measure_server", "rss_line", "max_context",
-           "kv_type_nll", "kv_type_table", "decode_vs_context", "context_shift_demo", "cache_ram_demo", "vocab_tokenizer"]
+           "kv_type_nll", "kv_type_table", "decode_vs_context", "context_shift_demo", "cache_ram_demo", "rss_growth_with_prompts",
+           "vocab_tokenizer"]
 
 # Bytes per cached element: ggml block sizes (q8_0: 34 bytes / 32 values; q4_0: 18 / 32).
 KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
@@ -222,3 +223,40 @@ def cache_ram_demo(model=None, *, prompt_tokens: int = 600, threads: int | None 
             for name, p in (("A", a), ("B", b), ("A again", a)):
                 rows.append({"cache_ram_mib": mib, "request": name, **_complete(srv.url, p, 4)})
     return pd.DataFrame(rows)
+
+
+def rss_growth_with_prompts(model=None, *, n_prompts: int = 6, prompt_tokens: int = 256, threads: int | None = None,
+                            cache_ram_mib: Sequence[int | None] = (0, None)) -> pd.DataFrame:
+    """Resident memory before and after `n_prompts` distinct prompts on one slot, per
+    `--cache-ram` setting (None: llama-server's default, 8,192 MiB in recent builds).
+
+    The KV cache is allocated at start, but the host prompt cache is not: each new prompt
+    evicts the slot's previous one, which is saved to host RAM (23,040 bytes per token
+    here, the f16 KV size) until the cache reaches its limit. So "a server that starts will
+    not run out of memory later" holds for the KV buffer only: with the cache on, RSS grows
+    with the requests served. `expected_mib` is the KV size of the evicted prompts.
+
+    Args:
+        model: a GGUF (None: embedded); threads: server threads.
+        n_prompts, prompt_tokens: distinct prompts sent, and their length in tokens.
+        cache_ram_mib: settings to compare (0: off).
+    """
+    from infercourse.models.modelcard import model_card
+    from infercourse.servers import LlamaServer
+    tok, kv = vocab_tokenizer(model), model_card(model).kv_bytes_per_token(2)
+    prompts = [exact_length_prompt(prompt_tokens, tok, seed=100 + i) for i in range(n_prompts + 1)]
+    rows = []
+    for mib in cache_ram_mib:
+        with LlamaServer(model, n_parallel=1, ctx_size=prompt_tokens + 256, threads=threads,
+                         cache_ram_mib=mib) as srv:
+            _complete(srv.url, prompts[0], 2)
+            time.sleep(0.2)              # let the kernel account the pages just touched
+            before = process_rss_mib(srv.pid)
+            for p in prompts[1:]:
+                _complete(srv.url, p, 2)
+            time.sleep(0.2)
+            after = process_rss_mib(srv.pid)
+        rows.append({"cache_ram_mib": "default" if mib is None else mib, "prompts": n_prompts,
+                     "rss_before_mib": before, "rss_after_mib": after, "growth_mib": after - before,
+                     "expected_mib": 0.0 if mib == 0 else n_prompts * prompt_tokens * kv / 2**20})
+    return pd.DataFrame(rows).set_index("cache_ram_mib")

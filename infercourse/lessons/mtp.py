@@ -38,7 +38,8 @@ from infercourse.core.hashing import content_hash
 from infercourse.models.embedded import cache_dir
 
 __all__ = ["TRAIN_TOPICS", "HELDOUT_TOPICS", "chat_ids", "generate_docs", "trunk_features",
-           "make_heads", "train_heads", "heads_drafter", "heldout_acceptance", "trained_heads"]
+           "make_heads", "train_heads", "heads_drafter", "heldout_acceptance", "versus_yardstick",
+           "trained_heads"]
 
 TRAIN_TOPICS = ["a lighthouse keeper", "how bread rises", "the water cycle", "a chess opening",
                 "why cats purr", "how a bicycle stays upright", "a rainy market day", "volcanoes",
@@ -57,7 +58,7 @@ def chat_ids(tokenizer, topic: str) -> list[int]:
 
 
 def generate_docs(model, tokenizer, topics: Sequence[str], new_tokens: int, *,
-                  temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
+                  temperature: float = 0.0, seed: int = 0, max_time: float | None = None) -> list[list[int]]:
     """The base model's own answers (prompt ids + generated ids), batched.
 
     Args:
@@ -66,6 +67,8 @@ def generate_docs(model, tokenizer, topics: Sequence[str], new_tokens: int, *,
         temperature: 0 = greedy (held-out text: what decoding will see), > 0 = sampled
             (training text: more varied contexts).
         seed: torch seed for sampling.
+        max_time: seconds after which generation stops (transformers' own `max_time`):
+            a slow machine gets shorter answers instead of a longer wait.
     """
     import torch
     prompts = [chat_ids(tokenizer, t) for t in topics]
@@ -76,7 +79,8 @@ def generate_docs(model, tokenizer, topics: Sequence[str], new_tokens: int, *,
     sample = dict(do_sample=True, temperature=temperature, top_k=50, top_p=1.0) if temperature > 0 \
         else dict(do_sample=False, temperature=None, top_k=None, top_p=None)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=pad, **sample)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=pad,
+                             max_time=max_time, **sample)
     eos = set(np.atleast_1d(model.generation_config.eos_token_id).tolist())
     docs = []
     for p, row in zip(prompts, out[:, width:].tolist()):
@@ -181,9 +185,10 @@ def _samples(feats: list[dict], n_heads: int):
 
 
 def train_heads(model, feats: list[dict], *, n_heads: int = 2, kind: str = "medusa", steps: int = 150,
-                batch: int = 256, lr: float = 2e-3, seed: int = 0):
+                batch: int = 256, lr: float = 2e-3, seed: int = 0, budget_s: float | None = None,
+                min_steps: int = 20):
     """Train heads on frozen features (`trunk_features`); returns (heads, log) where log has
-    the loss per step, the vocabulary size, samples and seconds.
+    the loss per step, the steps run and asked, the vocabulary size, samples and seconds.
 
     Args:
         model: the frozen base model (its output head and embeddings are shared).
@@ -191,6 +196,8 @@ def train_heads(model, feats: list[dict], *, n_heads: int = 2, kind: str = "medu
         n_heads: extra heads (head j predicts token t+1+j).
         kind: "medusa" (each head reads h_t only) or "mtp" (chained, reads the token too).
         steps, batch, lr, seed: Adam steps, positions per step, learning rate, seed.
+        budget_s: stop after this many seconds of training (at least `min_steps` run):
+            the log says how many steps fit, so a slow machine reports fewer, not waits longer.
     """
     import torch
     t0 = time.perf_counter()
@@ -201,8 +208,10 @@ def train_heads(model, feats: list[dict], *, n_heads: int = 2, kind: str = "medu
     torch.manual_seed(seed)
     heads = make_heads(model, n_heads, kind, vocab)
     opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.01)
-    losses = []
-    for _ in range(steps):
+    losses, t_train = [], time.perf_counter()
+    for step in range(steps):
+        if budget_s is not None and step >= min_steps and time.perf_counter() - t_train > budget_s:
+            break
         i = torch.randint(0, len(H), (min(batch, len(H)),))
         outs = heads(H[i], T[i])
         loss = sum(torch.nn.functional.cross_entropy(o, index[L[i, j]]) for j, o in enumerate(outs)) / n_heads
@@ -211,8 +220,8 @@ def train_heads(model, feats: list[dict], *, n_heads: int = 2, kind: str = "medu
         opt.step()
         losses.append(float(loss.detach()))
     heads.eval()
-    return heads, {"losses": losses, "vocab_size": len(vocab), "samples": len(H),
-                   "train_s": time.perf_counter() - t0}
+    return heads, {"losses": losses, "steps": len(losses), "steps_asked": steps, "vocab_size": len(vocab),
+                   "samples": len(H), "train_s": time.perf_counter() - t0}
 
 
 def heads_drafter(heads, min_prob: float = 0.0):
@@ -255,9 +264,27 @@ def heldout_acceptance(heads, feats: list[dict], start: Sequence[int]):
                          "always_most_common": common})
 
 
+def versus_yardstick(share: float, yardstick: float, positions: int) -> str:
+    """A head's held-out share right against its yardstick (always the commonest token), in
+    words: "clear of" only when the gap exceeds 2 binomial standard errors of a share at the
+    yardstick's rate on that many positions (sqrt(p0 (1 - p0) / n)); neighbouring positions
+    of one text are not independent, so read 2 SE as a floor, not a test.
+
+    Args:
+        share: the head's `head_alone`; yardstick: its `always_most_common`; positions: n.
+    """
+    se = (yardstick * (1 - yardstick) / max(positions, 1)) ** 0.5
+    if share - yardstick > 2 * se:
+        return f"clear of the yardstick's {yardstick:.1%}"
+    if yardstick - share > 2 * se:
+        return f"below the yardstick's {yardstick:.1%}"
+    return f"no better than the yardstick's {yardstick:.1%}, within 2 SE"
+
+
 def trained_heads(model, tokenizer, base_id: str, *, kinds: Sequence[str] = ("medusa", "mtp"),
                   n_heads: int = 2, steps: int = 150, train_topics: int = 24, train_tokens: int = 80,
-                  prose: str | None = None, heldout_tokens: int = 64, seed: int = 0):
+                  prose: str | None = None, heldout_tokens: int = 64, seed: int = 0,
+                  budget_s: float | None = None):
     """Heads of each kind, trained once per configuration and then loaded from
     `cache_dir()/mtp/<content hash>.pt`; returns ({kind: heads}, {kind: log}, held-out).
 
@@ -275,11 +302,15 @@ def trained_heads(model, tokenizer, base_id: str, *, kinds: Sequence[str] = ("me
         prose: extra training text (e.g. data/eval_prose.txt).
         heldout_tokens: greedy tokens per held-out prompt.
         seed: sampling and initialisation seed.
+        budget_s: seconds for the whole first run on this machine (None: no bound): the
+            sampled text gets 40% (`max_time`), the held-out text 15%, and each kind of head
+            an equal share of what is left (at least 20 steps each). The logs say how many
+            steps and tokens fitted; the cache key includes the budget.
     """
     import torch
-    key = {"v": 2, "base": base_id, "kinds": list(kinds), "n_heads": n_heads, "steps": steps,
+    key = {"v": 3, "base": base_id, "kinds": list(kinds), "n_heads": n_heads, "steps": steps,
            "topics": TRAIN_TOPICS[:train_topics], "train_tokens": train_tokens, "heldout": HELDOUT_TOPICS,
-           "heldout_tokens": heldout_tokens, "prose": content_hash(prose), "seed": seed}
+           "heldout_tokens": heldout_tokens, "prose": content_hash(prose), "seed": seed, "budget_s": budget_s}
     path = Path(cache_dir()) / "mtp" / f"{content_hash(key)[:16]}.pt"
     if path.is_file():
         blob = torch.load(path, weights_only=False)
@@ -289,16 +320,21 @@ def trained_heads(model, tokenizer, base_id: str, *, kinds: Sequence[str] = ("me
             heads[kind].load_state_dict(state)
             heads[kind].eval()
         return heads, {k: {**v, "cached": str(path)} for k, v in blob["log"].items()}, blob["heldout"]
+    share = (lambda f: None) if budget_s is None else (lambda f: f * budget_s)   # noqa: E731
     t0 = time.perf_counter()
-    docs = generate_docs(model, tokenizer, TRAIN_TOPICS[:train_topics], train_tokens, temperature=0.8, seed=seed)
+    heldout = {"docs": generate_docs(model, tokenizer, HELDOUT_TOPICS, heldout_tokens, max_time=share(0.15)),
+               "start": [len(chat_ids(tokenizer, t)) for t in HELDOUT_TOPICS]}
+    docs = generate_docs(model, tokenizer, TRAIN_TOPICS[:train_topics], train_tokens, temperature=0.8, seed=seed,
+                         max_time=share(0.4))
     feats = trunk_features(model, docs + ([tokenizer(prose)["input_ids"]] if prose else []))
     prep_s = time.perf_counter() - t0
+    left = None if budget_s is None else max(budget_s - prep_s, 0.0) / len(kinds)
     heads, logs = {}, {}
     for kind in kinds:
-        heads[kind], logs[kind] = train_heads(model, feats, n_heads=n_heads, kind=kind, steps=steps, seed=seed)
-        logs[kind].update(prep_s=prep_s, train_text_tokens=sum(len(f["X"]) for f in feats), cached=None)
-    heldout = {"docs": generate_docs(model, tokenizer, HELDOUT_TOPICS, heldout_tokens),
-               "start": [len(chat_ids(tokenizer, t)) for t in HELDOUT_TOPICS]}
+        heads[kind], logs[kind] = train_heads(model, feats, n_heads=n_heads, kind=kind, steps=steps, seed=seed,
+                                              budget_s=left)
+        logs[kind].update(prep_s=prep_s, train_text_tokens=sum(len(f["X"]) for f in feats), cached=None,
+                          budget_s=budget_s)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{time.monotonic_ns()}")
     torch.save({"state": {k: h.state_dict() for k, h in heads.items()}, "log": logs, "heldout": heldout,

@@ -214,14 +214,18 @@ def output_ids(engine, request, text: str) -> tuple[list[int], list[int]]:
 def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
                         prompts: Mapping[str, str], *, max_tokens: int = 48,
                         baselines: Mapping[str, str] | None = None, lookup_k: int = 10,
-                        writer=None):
+                        writer=None, repeats: int = 1):
     """Run every prompt on every engine configuration; one row per (config, prompt).
 
     Columns: config, prompt, output_tokens, e2e_s, decode_tok_per_s, chunk_steps and
     chunk_tokens_per_step (from the stream; 1.0 where an engine streams token by token),
     lookup_acceptance and lookup_tokens_per_step (replayed prompt-lookup drafter, for
-    configs using it), speed_up (baseline e2e / e2e, same prompt) and identical_output
-    (text equal to the baseline's).
+    configs using it), speed_up (baseline e2e / e2e, same prompt: the median paired ratio
+    over `repeats`) and identical_output (text equal to the baseline's). With repeats >= 2
+    each baseline runs once more at the end (its A/A rerun: engines are built one at a time,
+    so the rerun brackets the others in time), and each row gets `speed_up_lo`/`_hi`,
+    `noise_floor` (the A/A floor for that baseline and prompt) and `verdict`
+    (`measure.noise.compare`).
 
     Args:
         engine_factories: {config name: zero-argument callable returning an engine};
@@ -231,6 +235,7 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
         baselines: {config: its baseline config}; default: the first config for all.
         lookup_k: tokens the lookup drafter proposes, for the replay.
         writer: optional `results.RunWriter` for the request traces.
+        repeats: requests per (config, prompt); e2e_s is their median.
     """
     import gc
 
@@ -244,21 +249,22 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
     if not names or not prompts:
         raise ValueError("compare_speculation needs at least one engine factory and one prompt")
     baselines = dict(baselines or {n: names[0] for n in names})
+    aa = {f"{b} (A/A)": b for b in dict.fromkeys(baselines.values())} if repeats > 1 else {}
     rows = []
-    for name in names:
-        engine = engine_factories[name]()
+    for name in names + list(aa):
+        engine = engine_factories[aa.get(name, name)]()
         flags = getattr(engine, "flags", {})
         uses_lookup = "prompt-lookup" in (flags.get("draft"), flags.get("assistant"))
         warm = Request(messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         list(engine.stream(warm))  # first call pays one-off costs (allocations, kernels)
-        for label, text in prompts.items():
+        for rep, (label, text) in ((r, kv) for r in range(repeats) for kv in prompts.items()):
             req = Request(messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
                           ignore_eos=True, cache_prompt=False)
             tr = record(engine, req, request_id=len(rows), raise_errors=True, config=name, prompt=label)
             if writer is not None:
                 writer.write(tr)
             ch = chunk_acceptance(tr.chunk_tokens, getattr(engine, "draft_k", None))
-            row = {"config": name, "prompt": label, "output_tokens": tr.completion_tokens,
+            row = {"config": name, "prompt": label, "rep": rep, "output_tokens": tr.completion_tokens,
                    "e2e_s": e2e_s(tr), "decode_tok_per_s": decode_tok_per_s(tr),
                    "chunk_steps": ch["steps"], "chunk_tokens_per_step": ch["tokens_per_step"],
                    "draft_acceptance": ch.get("acceptance_rate", float("nan")),
@@ -273,10 +279,30 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
             engine.llm.close()  # free llama.cpp memory now, not at interpreter exit
         del engine
         gc.collect()
-    df = pd.DataFrame(rows)
-    base = df.set_index(["config", "prompt"])
-    df["speed_up"] = [base.loc[(baselines[c], p), "e2e_s"] / e for c, p, e in
-                      zip(df["config"], df["prompt"], df["e2e_s"])]
-    df["identical_output"] = [base.loc[(baselines[c], p), "text"] == t for c, p, t in
+    return _judge(pd.DataFrame(rows), baselines, aa)
+
+
+def _judge(trials, baselines: Mapping[str, str], aa: Mapping[str, str]):
+    """One row per (config, prompt) from `compare_speculation`'s trials: the first trial's
+    columns, the median e2e_s, and the paired speed-up against the baseline, judged
+    against the baseline's A/A floor where there is one."""
+    from infercourse.measure import noise
+    e2e = trials.pivot_table(index=["config", "prompt"], columns="rep", values="e2e_s")
+    df = trials[trials["rep"] == 0].drop(columns="rep")
+    df = df[~df["config"].isin(list(aa))].reset_index(drop=True)
+    df["e2e_s"] = [float(e2e.loc[(c, p)].median()) for c, p in zip(df["config"], df["prompt"])]
+    first = df.set_index(["config", "prompt"])
+    rerun = {b: a for a, b in aa.items()}
+    cols = {k: [] for k in ("speed_up", "speed_up_lo", "speed_up_hi", "noise_floor", "verdict")}
+    for c, p in zip(df["config"], df["prompt"]):
+        b = baselines[c]
+        iv = noise.paired_interval(e2e.loc[(c, p)], e2e.loc[(b, p)])        # baseline / this: > 1 is faster
+        floor = noise.noise_floor(e2e.loc[(b, p)], e2e.loc[(rerun[b], p)]) if b in rerun else None
+        verdict = "reference" if c == b else noise.compare(e2e.loc[(b, p)], e2e.loc[(c, p)], floor, labels=(b, c)).verdict \
+            if floor else "1 run: not judged"
+        for k, v in zip(cols, (iv.median, iv.lo, iv.hi, floor.floor if floor else float("nan"), verdict)):
+            cols[k].append(v)
+    df = df.assign(**cols)
+    df["identical_output"] = [first.loc[(baselines[c], p), "text"] == t for c, p, t in
                               zip(df["config"], df["prompt"], df["text"])]
     return df

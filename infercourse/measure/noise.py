@@ -46,7 +46,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -54,7 +54,7 @@ from infercourse.core.summary import order_stat_ci
 
 __all__ = ["Contention", "cpu_share", "load_per_core", "judge", "contention", "schedule",
            "run_interleaved", "PairedInterval", "paired_interval", "NoiseFloor",
-           "noise_floor", "Comparison", "compare"]
+           "noise_floor", "Comparison", "compare", "run_arms", "compare_arms"]
 
 # Busy when more runnable threads than cores wait (load per core above 1), or when this
 # process gets under 80% of a core while it spins: either way timings carry the neighbours.
@@ -303,3 +303,47 @@ def compare(a: Sequence[float], b: Sequence[float], floor: float | NoiseFloor = 
     else:
         winner = None
     return Comparison(f"{winner} {word}" if winner else "within noise", iv, f, labels)
+
+
+# ---- 4. whole trials (a server per trial, a row of results each) ------------------------------
+def run_arms(arms: Mapping[str, Any], repeats: int, trial: Callable[[Any, str], tuple[dict, Any]],
+             pattern: str = "ABBA") -> tuple[Any, list]:
+    """Run `trial(value, label) -> (row, run)` for every arm, `repeats` times in `schedule`
+    order; returns a DataFrame of the rows (with `arm` and `rep` added) and the runs.
+    For trials that return many numbers (a bench run's summary row), where
+    `run_interleaved` takes one number per call. `label` is the arm, with `-r<rep>` when
+    repeats > 1 (for folder and run names).
+
+    Args:
+        arms: label -> the value `trial` receives (a level, a flag); put a reference twice,
+            under two labels, for its A/A floor.
+        repeats: trials per arm.
+        trial: runs one trial.
+        pattern: see `schedule`.
+    """
+    import pandas as pd
+    rows, runs = [], []
+    for rep, arm in schedule(list(arms), repeats, pattern):
+        row, r = trial(arms[arm], f"{arm}" + (f"-r{rep}" if repeats > 1 else ""))
+        rows.append({**row, "arm": arm, "rep": rep})
+        runs.append(r)
+    return pd.DataFrame(rows), runs
+
+
+def compare_arms(trials: Any, metric: str, ref: str, aa: str | None, *,
+                 higher_is_better: bool) -> tuple[dict[str, Comparison], NoiseFloor | None]:
+    """Every arm of a `run_arms` frame against `ref` on `metric`, paired by repeat and judged
+    against the A/A floor of `ref` and `aa` (its rerun). ({}, None) when there is no A/A arm
+    or fewer than 2 repeats.
+
+    Args:
+        trials: `run_arms` rows; metric: the column compared.
+        ref: the reference arm; aa: the label of its A/A rerun (or None).
+        higher_is_better: True for throughputs, False for latencies.
+    """
+    wide = trials.pivot(index="rep", columns="arm", values=metric)
+    if aa is None or len(wide) < 2:
+        return {}, None
+    floor = noise_floor(wide[ref], wide[aa])
+    return {arm: compare(wide[ref], wide[arm], floor, higher_is_better=higher_is_better, labels=(ref, arm))
+            for arm in wide.columns if arm not in (ref, aa)}, floor
