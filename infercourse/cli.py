@@ -139,24 +139,28 @@ def bench_parser() -> argparse.ArgumentParser:
 
 
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    if a.engine == "http" and not a.url:
-        p.error("--engine http needs --url, e.g. --url http://127.0.0.1:8080")
-    if a.engine != "http" and a.url:
-        p.error("--url only applies to --engine http")
-    if a.pattern in ("rate", "poisson") and not a.rate:
-        p.error(f"--pattern {a.pattern} needs --rate REQUESTS_PER_S")
-    if a.pattern == "replay" and a.workload != "agentic":
-        p.error("--pattern replay replays the timing of --workload agentic")
-    if a.pattern == "sweep" and a.engine != "http":
-        p.error("--pattern sweep needs a server (--engine http): an in-process engine runs one request at a time")
-    if a.roofline and a.engine != "llamacpp":
-        p.error("--roofline needs --engine llamacpp: the ceiling is computed from the local model file")
-    if a.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {a.warmup}")
-    if a.engine != "http" and (a.api_key or a.logprobs):
-        p.error("--api-key and --logprobs only apply to --engine http")
-    if a.tokenizer is not None and not a.tokenizer.exists():
-        p.error(f"--tokenizer {a.tokenizer}: no such file or folder")
+    """Refuse misuse while parsing (argparse's usage error, exit 2), before anything is built:
+    building a fixed workload already asks the server's /tokenize, so a remote --url must be
+    refused here, not by the run."""
+    from infercourse.core.loopback import refuse_remote
+    remote = refuse_remote(a.url, what="bench", allow_remote=a.allow_remote) if a.url else None
+    wrong = [message for bad, message in (
+        (a.engine == "http" and not a.url, "--engine http needs --url, e.g. --url http://127.0.0.1:8080"),
+        (a.engine != "http" and a.url, "--url only applies to --engine http"),
+        (remote is not None, remote),
+        (a.pattern in ("rate", "poisson") and not a.rate, f"--pattern {a.pattern} needs --rate REQUESTS_PER_S"),
+        (a.pattern == "replay" and a.workload != "agentic",
+         "--pattern replay replays the timing of --workload agentic"),
+        (a.pattern == "sweep" and a.engine != "http",
+         "--pattern sweep needs a server (--engine http): an in-process engine runs one request at a time"),
+        (a.roofline and a.engine != "llamacpp",
+         "--roofline needs --engine llamacpp: the ceiling is computed from the local model file"),
+        (a.warmup < 0, f"--warmup must be >= 0, got {a.warmup}"),
+        (a.engine != "http" and (a.api_key or a.logprobs), "--api-key and --logprobs only apply to --engine http"),
+        (a.tokenizer is not None and not a.tokenizer.exists(), f"--tokenizer {a.tokenizer}: no such file or folder"),
+    ) if bad]
+    if wrong:
+        p.error(wrong[0])
 
 
 def _file_tokenizer(path: Path):

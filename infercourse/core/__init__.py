@@ -10,4 +10,5 @@ recorded, and the metrics computed from that record. No I/O, no engines, no serv
 | `summary` | per run: percentiles with intervals, throughput, error rate, goodput    |
 | `reconcile` | the client's numbers against the engine's own counters                |
 | `hashing` | content hashes of workloads, for manifests                              |
+| `loopback` | which hosts load and faults may target, checked before any traffic     |
 """

@@ -55,6 +55,7 @@ import numpy as np
 import psutil
 
 from infercourse.core.errors import APILayerError, EngineLayerError, ServerLayerError
+from infercourse.core.loopback import is_loopback
 from infercourse.core.trace import RequestTrace
 from infercourse.core.types import Request
 from infercourse.measure.server_samples import ServerSampler, sampled_summary
@@ -75,7 +76,6 @@ __all__ = ["BenchResult", "run", "sweep", "replay", "constant_schedule", "poisso
 
 PATTERNS = ("sequential", "concurrency", "rate", "poisson", "replay")
 MAX_REQUESTS = 100_000          # a hard bound: no run is open-ended
-_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 @dataclass
@@ -214,7 +214,7 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
                      f"time: concurrency {concurrency} downgraded to 1")
         concurrency = 1
     addr = server_address(engine) if is_async else None
-    if addr and addr[0] not in _LOOPBACK and not allow_remote:
+    if addr and not is_loopback(addr[0]) and not allow_remote:   # the CLI checked this at parse time
         raise APILayerError(f"bench targets loopback servers only, got {addr[0]}:{addr[1]}",
                             hint="pass allow_remote=True if you own that server and mean to load it")
     from infercourse.measure.workloads import Workload

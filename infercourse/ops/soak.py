@@ -318,6 +318,9 @@ def soak_main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if a.url and (a.kill_at or a.kill_after):
         p.error("--kill-at needs a server this command supervises (drop --url)")
+    from infercourse.core.loopback import refuse_remote   # before anything is built or sent
+    if a.url and (remote := refuse_remote(a.url, what="soak", hint="Run the soak on the server's own machine")):
+        p.error(remote)
     from infercourse.core.errors import InferCourseError
     srv = None
     try:
