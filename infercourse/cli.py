@@ -96,7 +96,8 @@ def bench_parser() -> argparse.ArgumentParser:
                    help="ask the server for logprobs (exact tokens per chunk even when a chunk holds "
                         "several; costs server time per token)")
     g = p.add_argument_group("load")
-    g.add_argument("--pattern", choices=["sequential", "concurrency", "rate", "poisson", "sweep", "replay"],
+    g.add_argument("--pattern", choices=["sequential", "concurrency", "rate", "poisson", "sweep", "replay",
+                                         "rate-sweep"],
                    default="sequential", help="closed loop (sequential, concurrency, sweep) or open loop "
                                               "(rate, poisson, replay of the agentic trace's timing)")
     g.add_argument("--concurrency", type=_positive(int), default=1, help="workers for --pattern concurrency")
@@ -135,6 +136,8 @@ def bench_parser() -> argparse.ArgumentParser:
     g.add_argument("--roofline", action="store_true",
                    help="probe this machine (~5 s) and print the decode ceiling and bandwidth utilisation")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from infercourse.cli_load import add_load_args
+    add_load_args(p, _positive(int))
     return p
 
 
@@ -193,6 +196,9 @@ def _tokenizer(a: argparse.Namespace, engine):
 def _workload(a: argparse.Namespace, engine, salt: str | None):
     from infercourse.measure import workloads as wl
     from infercourse.core.types import Request
+    from infercourse.cli_load import dataset_workload
+    if a.sessions or a.session_counts or a.dataset is not None:   # built by cli_load
+        return dataset_workload(a)
     if a.workload == "agentic":
         return wl.agentic_workload()
     if a.workload == "coding-agent":   # one session, rendered for the API being measured
@@ -255,6 +261,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     p = bench_parser()
     a = p.parse_args(argv)
     _check(p, a)
+    from infercourse.cli_load import check_load_args, run_load_mode
+    check_load_args(p, a)
     from infercourse.measure import bench
     if a.api == "anthropic" and (a.ignore_eos or a.logprobs):
         p.error("--api anthropic: the Messages API has no field for --ignore-eos or --logprobs")
@@ -280,6 +288,9 @@ def bench_main(argv: list[str] | None = None) -> int:
               ignore_eos=True if a.ignore_eos else None, progress=not a.no_progress,
               allow_remote=a.allow_remote,
               salt=False if a.no_salt else (None if a.pattern == "sweep" else salt))
+    done = run_load_mode(a, engine, work, kw)   # --sessions, --pattern rate-sweep
+    if done is not None:
+        return done
     if a.pattern == "sweep":
         table, runs = bench.sweep(engine, work, a.concurrency_list, requests_per_level=a.requests, **kw)
         if a.slo:
@@ -324,6 +335,7 @@ def report_main(argv: list[str] | None = None) -> int:
     import pandas as pd
 
     from infercourse.measure import results
+    from infercourse.measure.server_samples import server_lines
     runs = [results.load_run(d) for d in a.dirs]
     metric_names = a.metric or ("ttft_s", "tpot_s", "e2e_s", "decode_tok_per_s")
     table = results.compare(runs, metric_names)
@@ -337,6 +349,8 @@ def report_main(argv: list[str] | None = None) -> int:
     for run in runs:
         for w in run.manifest.get("warnings", []):
             print(f"WARNING [{run.label}]: {w}")
+        for line in server_lines(run.manifest):   # what the server said during the run
+            print(f"[{run.label}] {line}")
     if a.plot:
         import matplotlib
         matplotlib.use("Agg")

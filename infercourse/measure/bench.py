@@ -71,7 +71,7 @@ from infercourse.measure.loadgen import (
 )
 
 __all__ = ["BenchResult", "run", "sweep", "replay", "constant_schedule", "poisson_schedule",
-           "loop_in_thread", "new_salt", "salted", "warmup_request", "start_sampler", "PATTERNS",
+           "loop_in_thread", "new_salt", "salted", "warmup_request", "server_sampler", "PATTERNS",
            "MAX_REQUESTS"]
 
 PATTERNS = ("sequential", "concurrency", "rate", "poisson", "replay")
@@ -134,10 +134,11 @@ def _map_text(content: Any, f) -> Any:
     return f(content) if isinstance(content, str) else content
 
 
-def start_sampler(engine, out: Path, interval_s: float | None):
-    """A started `ServerSampler` on the engine's server, or None (no URL, or off)."""
+def server_sampler(engine, out: Path, interval_s: float | None):
+    """A `ServerSampler` on the engine's server (not started), or None (no URL, or off).
+    A run starts it after its warm-up, so its counters' baseline excludes the warm-up."""
     root = getattr(engine, "root", None)
-    return ServerSampler(root, None, out, interval_s=interval_s).start() if root and interval_s else None
+    return ServerSampler(root, None, out, interval_s=interval_s) if root and interval_s else None
 
 
 def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
@@ -240,8 +241,8 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
     if not write_inline:
         writer.start_thread(on_written=pbar.update)
     st, status = State(writer, pbar, inline=write_inline), "ok"
-    sampler = start_sampler(engine, out, sample_s) if is_async else None
-    st.on_start = sampler.sample if sampler else None   # counters from the end of warm-up
+    sampler = server_sampler(engine, out, sample_s) if is_async else None
+    st.on_start = (lambda: sampler.start(first_sample=True)) if sampler else None   # after warm-up
     try:
         if is_async:
             if loop_in_thread(lambda: run_async(engine, reqs, offsets, concurrency, max_in_flight,

@@ -163,7 +163,11 @@ class ServerSampler:
             except Exception as e:  # noqa: BLE001 - a sampler must never take the run down
                 self.rows.append({"t_s": time.perf_counter() - self.t0, "sampler_error": repr(e)})
 
-    def start(self) -> "ServerSampler":
+    def start(self, first_sample: bool = False) -> "ServerSampler":
+        """Start sampling every interval_s; `first_sample`: take one now, first (a run's
+        start: the counters' baseline, after any warm-up)."""
+        if first_sample:
+            self.sample()
         self._thread = threading.Thread(target=self._loop, name="infercourse-sampler", daemon=True)
         self._thread.start()
         return self

@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 
 from infercourse.core.types import Request
-from infercourse.measure.bench import BenchResult, new_salt, start_sampler, warmup_request
+from infercourse.measure.bench import BenchResult, new_salt, server_sampler, warmup_request
 from infercourse.measure.loadgen import State, loop_in_thread, send_one, server_address
 from infercourse.measure.server_samples import sampled_summary
 
@@ -234,9 +234,10 @@ def run_sessions(engine, script: SessionScript | Sequence[SessionScript], n_sess
                 for b in base]
     scripts = [salted_script(base[k % len(base)], f"{run_salt}-{k}") for k in range(n_sessions)]
     turns = n_turns   # None: every session runs all its turns
-    first = scripts[0].turns[0]
-    warm = [warmup_request(Request(messages=[m for m in first.added if isinstance(m.get("content"), str)],
-                                   max_tokens=first.max_tokens), i) for i in range(warmup)]
+    # warm-up: the task message alone, words reversed (short, and no session's prefix)
+    task = [m for m in scripts[0].turns[0].added if m["role"] == "user" and isinstance(m["content"], str)]
+    warm = [warmup_request(Request(messages=task[-1:] or [{"role": "user", "content": "Warm up now."}],
+                                   max_tokens=4), i) for i in range(warmup)]
     load = {"pattern": "sessions", "n_sessions": n_sessions, "n_turns": turns, "replay": replay,
             "think_scale": think_scale, "max_tokens": max_tokens, "stagger_s": stagger_s, "seed": seed, "warmup": warmup,
             "max_duration_s": max_duration_s, "max_in_flight": n_sessions, "executor": "asyncio+httpx"}
@@ -250,8 +251,8 @@ def run_sessions(engine, script: SessionScript | Sequence[SessionScript], n_sess
     pbar = tqdm(total=sum(len(s.turns[:turns]) for s in scripts), desc=label or "sessions", disable=not progress, leave=False)
     writer.start_thread(on_written=pbar.update)
     st = _SessionState(writer, pbar)
-    sampler = start_sampler(engine, out, sample_s)
-    st.on_start = sampler.sample if sampler else None
+    sampler = server_sampler(engine, out, sample_s)
+    st.on_start = (lambda: sampler.start(first_sample=True)) if sampler else None   # after warm-up
     status = "ok"
     try:
         if loop_in_thread(lambda: _sessions(engine, scripts, turns, replay, think_scale, stagger_s,

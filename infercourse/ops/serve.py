@@ -40,12 +40,23 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--ngl", type=int, help="llama: layers offloaded to the GPU (-ngl; -1: all)")
     p.add_argument("--cache-ram", type=int, help="llama: host-RAM prompt cache in MiB (0: off)")
     p.add_argument("--startup-timeout", type=float, help="seconds to wait for /health (model load)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="llama: R replicas on loopback behind a router, started and stopped together "
+                        "(servers.router.ReplicaGroup; needs `pip install 'infercourse[router]'`)")
+    p.add_argument("--router", choices=["sglang", "vllm"], default="sglang",
+                   help="with --replicas: sglang-router (default) or vllm-router")
+    p.add_argument("--policy", default="cache_aware",
+                   help="with --replicas: the router's policy (cache_aware, round_robin, power_of_two...)")
     return p
 
 
 def make_server(a: argparse.Namespace, extra: list[str]):
     """The `servers.Server` the parsed arguments describe (not started)."""
     kw = {"port": a.port, "startup_timeout_s": a.startup_timeout}
+    if a.engine == "llama" and a.replicas > 1:   # the router is what clients see
+        from infercourse.servers.router import ReplicaGroup
+        return ReplicaGroup(a.replicas, a.policy, kind=a.router, model=a.model, threads=a.threads,
+                            n_parallel=a.parallel, ctx_size=a.ctx, cache_ram_mib=a.cache_ram, extra_args=extra)
     if a.engine == "llama":
         from infercourse.servers import LlamaServer
         if a.ngl is not None:
