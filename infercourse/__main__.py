@@ -13,7 +13,7 @@ commands:
   report DIR...     compare saved runs side by side
   course [--out D]  execute every notebook headless, write executed copies + HTML to D
   formats           derive the embedded model's formats (HF, F16, quant ladder, MLX)
-  serve llama|mlx|vllm  one server in the foreground on 127.0.0.1, until Ctrl-C
+  serve llama|mlx|vllm  one server in the foreground on 127.0.0.1 (a room's: --host, --api-key)
   soak ...          load a server for a bounded time; sample memory, queue, crashes
 
 `infercourse COMMAND --help` documents each command's options."""

@@ -55,6 +55,7 @@ def _start(*extra):
         if "Ctrl-C to stop" in line:
             break
     assert url and pid, "".join(lines)
+    proc.banner = "".join(lines)
     return proc, url, port, pid
 
 
@@ -73,3 +74,71 @@ def test_serves_until_signalled_then_leaves_nothing(sig):
     assert proc.returncode == 0, rest
     assert "stopping llama-server" in rest
     assert process_gone(pid, 10.0) and port_closed(port)
+
+
+# -- a room's shared server: beyond loopback only with a key the server itself checks ---------
+@pytest.mark.parametrize("argv, message", [
+    (["llama", "--host", "0.0.0.0"], "give --api-key"),
+    (["vllm", "--host", "192.168.1.20"], "give --api-key"),
+    (["mlx", "--api-key", "k"], "mlx_lm.server cannot check an API key"),
+    (["mlx", "--host", "0.0.0.0", "--api-key", "k"], "mlx_lm.server cannot check an API key"),
+    (["llama", "--", "--host", "0.0.0.0"], "not after `--`"),
+    (["llama", "--host", "0.0.0.0", "--api-key", "k", "--", "--api-key=other"], "not after `--`"),
+])
+def test_sharing_without_a_checked_key_is_refused_while_parsing(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(serve, "make_server", lambda *a: pytest.fail("got past the argument check"))
+    with pytest.raises(SystemExit) as e:
+        serve.serve_main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_key_goes_to_the_servers_own_option_and_never_to_the_record():
+    a = serve.serve_parser().parse_args(["llama", "--host", "0.0.0.0", "--api-key", "s3cret-room-key"])
+    srv = serve.make_server(a, [])
+    argv = srv.argv()
+    assert argv[argv.index("--host") + 1] == "0.0.0.0"
+    # llama-server reads its --api-key from LLAMA_API_KEY: the key stays off the command line (ps)
+    assert srv.env["LLAMA_API_KEY"] == "s3cret-room-key" and "s3cret-room-key" not in argv
+    assert srv.url == f"http://127.0.0.1:{srv.port}"            # this machine reaches it on loopback
+    d = srv.describe()
+    assert "s3cret" not in repr(d) and d["host"] == "0.0.0.0" and d["api_key_checked"] is True
+    assert srv.engine().headers == {"Authorization": "Bearer s3cret-room-key"}
+
+
+def test_a_server_without_a_key_flag_cannot_be_shared():
+    from infercourse.core.errors import ServerLayerError
+    from infercourse.servers import Server
+
+    class NoKeys(Server):
+        name = "no-keys"
+
+    with pytest.raises(ServerLayerError, match="cannot check an API key"):
+        NoKeys(api_key="k")
+    with pytest.raises(ServerLayerError, match="without an API key"):
+        type("Keyed", (Server,), {"name": "keyed", "api_key_flag": "--api-key"})(host="0.0.0.0")
+    assert NoKeys().listen_args()[:2] == ["--host", "127.0.0.1"]    # loopback needs no key
+
+
+@pytest.mark.slow
+def test_shared_server_checks_the_key_on_every_request():
+    """On loopback (tests never listen beyond it), with the key: a request without it is 401,
+    with it 200, and the key is in neither the banner, the log nor the server's command line."""
+    proc, url, port, pid = _start("--host", "127.0.0.1", "--api-key", "room-key-123")
+    body = {"prompt": "Hi", "max_tokens": 2}
+    try:
+        assert "room-key-123" not in " ".join(psutil.Process(pid).cmdline())
+        assert httpx.get(url + "/health", timeout=10).status_code == 200   # health stays public
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 401
+        bad = {"Authorization": "Bearer wrong"}
+        assert httpx.post(url + "/v1/completions", json=body, headers=bad, timeout=60).status_code == 401
+        good = {"Authorization": "Bearer room-key-123"}
+        assert httpx.post(url + "/v1/completions", json=body, headers=good, timeout=60).status_code == 200
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 401
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+    assert "room-key-123" not in proc.banner + rest
+    assert "every request needs `Authorization: Bearer <key>`" in proc.banner
+    log = Path(re.search(r"· log (\S+)", proc.banner).group(1))
+    text = log.read_text(errors="replace")
+    assert "room-key-123" not in text

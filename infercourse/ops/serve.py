@@ -12,10 +12,20 @@ SIGTERM stops it, and so does the server dying on its own (the exit code says wh
     infercourse serve vllm --model ./hf-folder --ctx 4096
 
 Anything after `--` goes to the server unchanged.
+
+A workshop's shared server listens beyond loopback, and then it must check a key:
+
+    infercourse serve llama --host 0.0.0.0 --api-key "$ROOM_KEY" --parallel 8
+
+`--host` other than 127.0.0.1 is refused without `--api-key` (or $INFERCOURSE_API_KEY); the key
+goes to the server's own `--api-key`, so llama-server and vLLM check it on every request
+(learners pass it as `OpenAIHTTPEngine(url, api_key=...)` or `bench --api-key`).
+mlx_lm.server has no such option and is refused as a shared server.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -26,13 +36,14 @@ __all__ = ["serve_parser", "make_server", "serve_main"]
 
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infercourse serve", description=(
-        "Run one inference server on 127.0.0.1 in the foreground: print its URL, log to a "
-        "file, stop it on Ctrl-C or SIGTERM. Arguments after `--` go to the server as they are."))
+        "Run one inference server on 127.0.0.1 (a room's shared server: --host with --api-key) in "
+        "the foreground: print its URL, log to a file, stop it on Ctrl-C or SIGTERM. Arguments "
+        "after `--` go to the server as they are."))
     p.add_argument("engine", choices=["llama", "mlx", "vllm"],
                    help="llama: llama.cpp's llama-server; mlx: mlx_lm.server; vllm: vLLM's OpenAI server")
     p.add_argument("--model", help="llama: a .gguf (default: the embedded SmolLM2-135M Q4_1); "
                                    "mlx: an MLX folder; vllm: an HF folder (default: the embedded model's)")
-    p.add_argument("--port", type=int, help="port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--port", type=int, help="port to listen on (default: a free one)")
     p.add_argument("--parallel", type=int, default=4, help="llama: slots decoded together (-np, default 4)")
     p.add_argument("--ctx", type=int, default=4096,
                    help="context tokens: llama: total over all slots (-c); vllm: --max-model-len (default 4096)")
@@ -47,12 +58,34 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="with --replicas: sglang-router (default) or vllm-router")
     p.add_argument("--policy", default="cache_aware",
                    help="with --replicas: the router's policy (cache_aware, round_robin, power_of_two...)")
+    g = p.add_argument_group("a room's shared server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1); a LAN address or 0.0.0.0 needs --api-key")
+    g.add_argument("--api-key", default=os.environ.get("INFERCOURSE_API_KEY") or None,
+                   help="key the server checks on every request, as `Authorization: Bearer KEY` "
+                        "(default $INFERCOURSE_API_KEY); never written to the log")
     return p
+
+
+def _check_sharing(p: argparse.ArgumentParser, a: argparse.Namespace, extra: list[str]) -> None:
+    """Refuse, while parsing, a server others could reach that does not check a key."""
+    from infercourse.core.loopback import is_loopback
+    passed = [f for f in extra if f.split("=")[0] in ("--host", "--api-key", "--api-key-file")]
+    if passed:
+        p.error(f"give {passed[0].split('=')[0]} to serve itself, not after `--`: serve checks it")
+    if a.engine == "mlx" and (a.api_key or not is_loopback(a.host)):
+        p.error("mlx_lm.server cannot check an API key, so it cannot be a shared server: "
+                "use `serve llama` or `serve vllm` for the room")
+    if getattr(a, "replicas", 1) > 1 and (a.api_key or not is_loopback(a.host)):
+        p.error("a replica group's router does not check an API key: share one server (drop --replicas)")
+    if not is_loopback(a.host) and not a.api_key:
+        p.error(f"--host {a.host} lets anyone who can reach it use the server: give --api-key KEY "
+                "(or set INFERCOURSE_API_KEY)")
 
 
 def make_server(a: argparse.Namespace, extra: list[str]):
     """The `servers.Server` the parsed arguments describe (not started)."""
-    kw = {"port": a.port, "startup_timeout_s": a.startup_timeout}
+    kw = {"port": a.port, "startup_timeout_s": a.startup_timeout, "host": a.host, "api_key": a.api_key}
     if a.engine == "llama" and a.replicas > 1:   # the router is what clients see
         from infercourse.servers.router import ReplicaGroup
         return ReplicaGroup(a.replicas, a.policy, kind=a.router, model=a.model, threads=a.threads,
@@ -76,7 +109,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     """`infercourse serve`: 0 after Ctrl-C/SIGTERM, 1 if the server failed or died."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    a = serve_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    p = serve_parser()
+    a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    _check_sharing(p, a, extra)
     from infercourse.core.errors import InferCourseError
     stop = threading.Event()
     # SIGTERM (systemd, docker stop, `kill`) ends it like Ctrl-C does; the previous handlers
@@ -85,10 +120,15 @@ def serve_main(argv: list[str] | None = None) -> int:
     srv = None
     try:
         srv = make_server(a, extra)
-        print(f"starting {srv.name} on 127.0.0.1:{srv.port} (log: {srv.log_path}) ...", flush=True)
+        print(f"starting {srv.name} on {getattr(srv, 'host', '127.0.0.1')}:{srv.port} (log: {srv.log_path}) ...",
+              flush=True)
         srv.start()
         print(f"serving {srv.name} at {srv.url}  (OpenAI API: {srv.base_url})\n"
-              f"pid {srv.pid} · log {srv.log_path}\nCtrl-C to stop", flush=True)
+              f"pid {srv.pid} · log {srv.log_path}", flush=True)
+        if getattr(srv, "api_key", None):   # the key itself is never printed: the room has it already
+            print(f"shared on {srv.host}:{srv.port}: every request needs `Authorization: Bearer <key>`",
+                  flush=True)
+        print("Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
             if not srv.running:
                 print(f"{srv.name} exited by itself; last log lines:\n{srv.log_tail(15)}",

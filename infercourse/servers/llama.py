@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from infercourse.core.errors import BackendMissingError, ModelLayerError
 from infercourse.models.embedded import resolve_model
-from infercourse.servers.process import HOST, Server
+from infercourse.servers.process import Server
 
 __all__ = ["LlamaServer", "LlamaCppPythonServer", "llama_server_binary"]
 
@@ -70,6 +70,9 @@ class LlamaServer(Server):
     """
 
     name = "llama-server"
+    # --api-key, checked on every endpoint but /health (and the web UI's files); given as
+    # the variable llama.cpp reads for that option, so the key is not on the command line
+    api_key_flag, api_key_env = "--api-key", "LLAMA_API_KEY"
 
     def __init__(self, model: str | Path | None = None, n_parallel: int = 4, ctx_size: int = 4096,
                  threads: int | None = None, cache_ram_mib: int | None = None,
@@ -82,7 +85,7 @@ class LlamaServer(Server):
 
     def argv(self) -> list[str]:
         argv = [self.binary, "-m", self.model_path, "-np", self.n_parallel, "-c", self.ctx_size,
-                "--metrics", "--host", HOST, "--port", self.port]
+                "--metrics", *self.listen_args()]
         if self.threads:
             argv += ["-t", self.threads]
         if self.cache_ram_mib is not None:
@@ -117,7 +120,7 @@ class LlamaCppPythonServer(Server):
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "llama_cpp.server", "--model", self.model_path,
-                "--host", HOST, "--port", self.port, "--n_ctx", self.ctx_size,
+                *self.listen_args(), "--n_ctx", self.ctx_size,
                 "--interrupt_requests", "False"]
         if self.threads:
             argv += ["--n_threads", self.threads]

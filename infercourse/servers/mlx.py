@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from infercourse.core.errors import BackendMissingError, ModelLayerError
-from infercourse.servers.process import HOST, Server
+from infercourse.servers.process import Server
 
 __all__ = ["MLXServer"]
 
@@ -18,6 +18,7 @@ class MLXServer(Server):
 
     Its /v1/models answered with an empty body here (it scans the HF cache), so we
     health-check `/health` and name the model "default_model", its alias for --model.
+    It has no API-key option, so it cannot be a room's shared server: it stays on 127.0.0.1.
 
     Args:
         model_folder: an MLX model folder (from `mlx_lm.convert`).
@@ -37,7 +38,7 @@ class MLXServer(Server):
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "mlx_lm.server", "--model", str(self.model_folder),
-                "--host", HOST, "--port", str(self.port), *self.extra_args]
+                *self.listen_args(), *self.extra_args]
 
     def version(self) -> str | None:
         return "mlx-lm " + importlib.metadata.version("mlx-lm")

@@ -12,6 +12,12 @@ process disappears, even when a crashed kernel is `kill -9`ed and runs no cleanu
 
 A server that exits early or never becomes healthy raises `ServerLayerError` quoting the
 last lines of its log, which is where the reason always is.
+
+A workshop's shared server is the one exception to 127.0.0.1: `host=` a LAN address (or
+0.0.0.0), which is refused without `api_key=`. The key goes to the server's own option
+(llama-server's `--api-key`, through its environment variable LLAMA_API_KEY so that `ps`
+does not show it; vLLM's `--api-key`), so the server itself checks it on every request; a
+server without such an option cannot be shared, and says so.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import httpx
 import psutil
 
 from infercourse.core.errors import ServerLayerError
+from infercourse.core.loopback import is_loopback
 from infercourse.models.embedded import cache_dir
 from infercourse.servers import watchdog as _watchdog
 
@@ -74,19 +81,32 @@ class Server:
         port: fixed port, or None for a free one.
         startup_timeout_s: deadline for the health check (model load included).
         env: extra environment variables for the server process.
+        host: the address to listen on (default 127.0.0.1); any other needs `api_key`.
+        api_key: a key the server checks on every request (`Authorization: Bearer KEY`).
     """
 
     name = "server"
     health_path = "/health"        # GET answering 200 once the model is loaded
     served_model: str | None = None  # the `model` name requests use (None: ask /v1/models)
     startup_timeout_s = 120.0
+    api_key_flag: str | None = None  # the server's flag to check a key itself; None: it cannot
+    api_key_env: str | None = None   # the same option as an environment variable (kept out of `ps`)
 
     def __init__(self, *, port: int | None = None, startup_timeout_s: float | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, host: str = HOST, api_key: str | None = None):
+        if api_key and not self.api_key_flag:
+            raise ServerLayerError(f"{self.name} cannot check an API key, so it cannot be a shared server",
+                                   hint="share llama-server or vLLM instead; this one serves 127.0.0.1 only")
+        if not is_loopback(host) and not api_key:
+            raise ServerLayerError(f"refusing to listen on {host} without an API key: anyone who can reach "
+                                   "that address could use the server", hint="give api_key= (serve: --api-key)")
+        self.host, self.api_key = host, api_key or None
         self.port = port or free_port()
         if startup_timeout_s is not None:
             self.startup_timeout_s = startup_timeout_s
         self.env = dict(env or {})
+        if self.api_key and self.api_key_env:
+            self.env[self.api_key_env] = self.api_key
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.log_path = cache_dir() / "logs" / f"{self.name}-{self.port}-{stamp}.log"
         self.proc: subprocess.Popen | None = None     # the watchdog
@@ -96,9 +116,16 @@ class Server:
     def argv(self) -> list[str]:
         raise NotImplementedError
 
+    def listen_args(self) -> list[str]:
+        """Where the server listens, and the key it must check on every request (if any)."""
+        key = [self.api_key_flag, self.api_key] if self.api_key and not self.api_key_env else []
+        return ["--host", self.host, "--port", str(self.port), *key]
+
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        # this machine reaches a server on every interface through loopback
+        host = {"0.0.0.0": HOST, "::": "::1"}.get(self.host, self.host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -111,6 +138,7 @@ class Server:
     def engine(self, **kw: Any):
         """An OpenAIHTTPEngine pointed at this server (kw: api=, extra_body=, ...)."""
         from infercourse.engines.openai_http import OpenAIHTTPEngine
+        kw.setdefault("api_key", self.api_key)
         return OpenAIHTTPEngine(self.url, model=kw.pop("model", self.served_model), **kw)
 
     def log_tail(self, n: int = 30) -> str:
@@ -143,7 +171,8 @@ class Server:
 
     def _healthy(self) -> bool:
         try:
-            return httpx.get(self.url + self.health_path, timeout=2.0).status_code == 200
+            auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            return httpx.get(self.url + self.health_path, headers=auth, timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -210,7 +239,7 @@ class Server:
         """What a result manifest records about this server."""
         argv = scrub_argv([str(a) for a in self.argv()])
         return {"server": self.name, "binary": argv[0], "version": self.version(), "argv": argv,
-                "host": HOST, "port": self.port, "url": self.url, "pid": self.pid,
+                "host": self.host, "port": self.port, "api_key_checked": bool(self.api_key), "url": self.url, "pid": self.pid,
                 "log_path": str(self.log_path)}
 
 

