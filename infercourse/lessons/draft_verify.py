@@ -128,7 +128,7 @@ def compare_drafters(model, ids: Sequence[int], max_new: int, drafters: dict, *,
     drafter: seconds (wall) and cpu_s (this process's CPU time), medians over repeats;
     passes, tokens_per_pass, acceptance_rate; speed_up over the first drafter (median
     paired ratio of CPU time) with its interval `speed_up_lo`/`speed_up_hi`, and `verdict`
-    against the A/A floor (`measure.noise`); speed_up_wall (same, wall clock); identical
+    against the A/A floor (`noise_floor`, `measure.noise`); speed_up_wall (same, wall clock); identical
     (same tokens as the first). `attrs["noise_floor_text"]` states the floor.
 
     Why CPU time: on a machine shared with other programs, they stretch the wall clock of
@@ -174,6 +174,7 @@ def compare_drafters(model, ids: Sequence[int], max_new: int, drafters: dict, *,
                      "accepted": r["accepted"], "acceptance_rate": r["acceptance_rate"],
                      "speed_up": up.median, "speed_up_lo": up.lo, "speed_up_hi": up.hi,
                      "verdict": "reference" if name == ref else verdict,
+                     "noise_floor": floor.floor if floor else float("nan"),
                      "speed_up_wall": noise.paired_interval(wall[name], wall[ref]).median,
                      "identical": r["tokens"] == res[ref]["tokens"], "tokens": r["tokens"]})
     out = pd.DataFrame(rows)
