@@ -234,7 +234,8 @@ def pass_cost(model, ids: Sequence[int], widths: Sequence[int] = (1, 3, 11), *, 
 def plot_drafters(df, ceiling: float | None = None, axes=None):
     """Two panels from `compare_drafters` rows (with a "prompt" column): tokens per target
     pass (left, with the all-accepted `ceiling` dashed) and speed-up over plain decoding
-    (right, from CPU time; 1 = no gain, dashed)."""
+    (right, from CPU time; 1 = no gain, dashed; error bars: the paired interval when the
+    rows have one)."""
     import matplotlib.pyplot as plt
     axes = axes if axes is not None else plt.subplots(1, 2, figsize=(12, 4))[1]
     tab = {c: df.pivot_table(index="drafter", columns="prompt", values=c, sort=False)
@@ -243,7 +244,13 @@ def plot_drafters(df, ceiling: float | None = None, axes=None):
     axes[0].set(ylabel="tokens per target pass", xlabel="", title="Tokens per target pass")
     if ceiling:
         axes[0].axhline(ceiling, ls="--", c="grey", label=f"every guess accepted ({ceiling:g})")
-    tab["speed_up"].plot.bar(ax=axes[1], rot=20)
+    err = None
+    if {"speed_up_lo", "speed_up_hi"} <= set(df.columns):   # each bar's paired interval, as error bars
+        lo, hi = (df.pivot_table(index="drafter", columns="prompt", values=c, sort=False)
+                  for c in ("speed_up_lo", "speed_up_hi"))
+        up = tab["speed_up"]
+        err = np.stack([[(up - lo)[c].to_numpy(), (hi - up)[c].to_numpy()] for c in up.columns]).clip(min=0)
+    tab["speed_up"].plot.bar(ax=axes[1], rot=20, yerr=err, capsize=3)
     axes[1].axhline(1, ls="--", c="grey", label="no gain (1×)")
     axes[1].set(ylabel="speed-up vs plain decoding (×, CPU time)", xlabel="", title="Speed-up")
     for ax in axes:
