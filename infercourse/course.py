@@ -5,24 +5,87 @@ what a learner executes. Notebooks are committed without outputs; the executed c
 land in `build/notebooks/`, HTML renderings in `build/html/`, and whatever the notebooks
 save through `infercourse.measure.results` in `build/results/<notebook>/` (the kernel gets
 `INFERCOURSE_RESULTS` in its environment).
+
+Sizes. Every notebook keeps its sizes (requests, tokens, trials) in its parameters cell, and
+its defaults are the course's full size. `make test` runs each notebook at a small, stated
+size instead: the values in `notebooks/ci_params.json` are injected into the parameters
+cell, and the executed copy records them (cell tag `injected-parameters`, notebook metadata
+`infercourse.parameters`). The same mechanism serves a workshop:
+`infercourse course --param PROFILE=gpu --param URL=...` sets a parameter in every notebook
+that has it. Written here rather than with papermill, which injects a new cell *after* the
+parameters cell: values a parameters cell derives from a profile (`P = profile(PROFILE)`,
+`LEVELS = P.concurrencies`) would then keep the old profile's. Replacing the assignment in
+place keeps everything the cell derives consistent.
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["NOTEBOOK_DIR", "notebooks", "results_dir", "run_notebook", "course_main"]
+__all__ = ["NOTEBOOK_DIR", "notebooks", "notebook_parameters", "ci_params", "parse_params",
+           "inject", "results_dir", "run_notebook", "course_main"]
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 def notebooks(folder: str | Path = NOTEBOOK_DIR) -> list[Path]:
-    """The course's notebooks in order (NN_name.ipynb)."""
-    return sorted(p for p in Path(folder).glob("[0-9][0-9]_*.ipynb"))
+    """The course's notebooks in order (NN_name.ipynb, and NNb_name.ipynb after NN_)."""
+    return sorted(p for p in Path(folder).glob("[0-9][0-9]*_*.ipynb"))
+
+
+def notebook_parameters(path: str | Path) -> dict[str, str]:
+    """The names assigned in a notebook's parameters cell, with their source text."""
+    nb = json.loads(Path(path).read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code" and "parameters" in cell["metadata"].get("tags", []):
+            tree = ast.parse("".join(cell["source"]))
+            return {t.id: ast.get_source_segment("".join(cell["source"]), node.value)
+                    for node in tree.body if isinstance(node, ast.Assign)
+                    for t in node.targets if isinstance(t, ast.Name)}
+    return {}
+
+
+def inject(nb, params: dict) -> None:
+    """Set `params` in the parameters cell of `nb` (an nbformat notebook), in place: each
+    top-level `NAME = ...` statement of the cell becomes `NAME = <value>`, the rest of the
+    cell (what it derives from them) stays."""
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "parameters" in c.metadata.get("tags", []))
+    lines = cell.source.splitlines()
+    for node in sorted(ast.parse(cell.source).body, key=lambda n: -n.lineno):
+        names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        if isinstance(node, ast.Assign) and len(names) == 1 and names[0] in params:
+            lines[node.lineno - 1:node.end_lineno] = [
+                f"{names[0]} = {params[names[0]]!r}  # injected by infercourse course"]
+    cell.source = "\n".join(lines)
+    cell.metadata.setdefault("tags", []).append("injected-parameters")
+    nb.metadata["infercourse"] = {"parameters": dict(params)}
+
+
+def ci_params(path: str | Path) -> dict:
+    """The small size `make test` runs a notebook at (notebooks/ci_params.json)."""
+    table = json.loads((NOTEBOOK_DIR / "ci_params.json").read_text())
+    table.pop("_about", None)
+    return dict(table.get(Path(path).stem, {}))
+
+
+def parse_params(items: list[str] | None) -> dict:
+    """`NAME=VALUE` strings to a dict; VALUE is a Python literal, else a plain string."""
+    out = {}
+    for item in items or []:
+        name, sep, text = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise ValueError(f"--param {item!r}: expected NAME=VALUE")
+        try:
+            out[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[name] = text
+    return out
 
 
 def results_dir(name: str) -> Path:
@@ -34,7 +97,7 @@ def results_dir(name: str) -> Path:
 
 
 def run_notebook(path: str | Path, out: str | Path = "build", *, timeout_s: int = 900,
-                 html: bool = True) -> dict:
+                 html: bool = True, params: dict | None = None) -> dict:
     """Execute one notebook top to bottom in a fresh kernel; write the executed copy (and
     HTML). Raises nbclient's CellExecutionError, naming the failing cell, on any error.
 
@@ -43,12 +106,17 @@ def run_notebook(path: str | Path, out: str | Path = "build", *, timeout_s: int 
         out: build folder for executed notebooks, HTML and results.
         timeout_s: per-cell limit.
         html: also render HTML.
+        params: values injected after the parameters cell (only names the cell defines).
     """
     import nbformat
     from nbclient import NotebookClient
 
     path, out = Path(path), Path(out).resolve()
     nb = nbformat.read(path, as_version=4)
+    known = notebook_parameters(path)
+    params = {k: v for k, v in (params or {}).items() if k in known}
+    if params:
+        inject(nb, params)
     env_results = out / "results"
     old = os.environ.get("INFERCOURSE_RESULTS")
     os.environ["INFERCOURSE_RESULTS"] = str(env_results)  # inherited by the kernel
@@ -80,7 +148,8 @@ def run_notebook(path: str | Path, out: str | Path = "build", *, timeout_s: int 
         for sub in ("notebooks", "html"):
             if (out / sub).is_dir():
                 shutil.copytree(path.parent / "img", out / sub / "img", dirs_exist_ok=True)
-    return {"notebook": path.name, "seconds": round(seconds, 1), "cells": len(nb.cells)}
+    return {"notebook": path.name, "seconds": round(seconds, 1), "cells": len(nb.cells),
+            "params": params}
 
 
 def course_main(argv: list[str] | None = None) -> int:
@@ -89,21 +158,44 @@ def course_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="build", help="build folder (default: build)")
     ap.add_argument("--only", nargs="*", help="run only notebooks whose name contains one of these")
     ap.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
+    ap.add_argument("--size", choices=["full", "ci"], default="full",
+                    help="full: the notebooks' defaults (default); ci: the small sizes of "
+                         "notebooks/ci_params.json that `make test` runs")
+    ap.add_argument("--param", action="append", metavar="NAME=VALUE",
+                    help="set a parameter in every notebook whose parameters cell has it "
+                         "(repeatable; VALUE is a Python literal or a string), e.g. "
+                         "--param PROFILE=gpu --param URL=http://127.0.0.1:8000")
     args = ap.parse_args(argv)
+    try:
+        given = parse_params(args.param)
+    except ValueError as e:
+        ap.error(str(e))
     todo = [p for p in notebooks() if not args.only or any(k in p.name for k in args.only)]
     if not todo:
         print(f"no notebooks found in {NOTEBOOK_DIR}", file=sys.stderr)
         return 2
-    failed = []
+    failed, times = [], {}
+    t0 = time.perf_counter()
     for p in todo:
-        print(f"== {p.name}", flush=True)
+        params = (ci_params(p) if args.size == "ci" else {}) | given
+        used = {k: v for k, v in params.items() if k in notebook_parameters(p)}
+        print(f"== {p.name}" + (f"  ({', '.join(f'{k}={v!r}' for k, v in used.items())})"
+                                 if used else ""), flush=True)
         try:
-            info = run_notebook(p, args.out, timeout_s=args.timeout)
+            info = run_notebook(p, args.out, timeout_s=args.timeout, params=params)
+            times[p.stem] = info["seconds"]
             print(f"   ok in {info['seconds']} s", flush=True)
         except Exception as e:  # keep going: one broken lesson must not hide the others
             failed.append(p.name)
             print(f"   FAILED: {str(e)[-2000:]}", flush=True)
-    print(f"executed notebooks and HTML are in {Path(args.out).resolve()}")
+    total = time.perf_counter() - t0
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    # the course's own run times on this machine, for the course map and `doctor` to compare
+    (Path(args.out) / "course_times.json").write_text(json.dumps(
+        {"size": args.size, "params": given, "seconds": times, "total_s": round(total, 1),
+         "load_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}, indent=1))
+    print(f"{len(todo) - len(failed)} notebook(s) in {int(total // 60)} min {int(total % 60)} s; "
+          f"executed notebooks and HTML are in {Path(args.out).resolve()}")
     if failed:
         print(f"{len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1

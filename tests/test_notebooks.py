@@ -1,10 +1,15 @@
 """Every notebook of the course executes top to bottom on the embedded model, and is
-committed clean (no outputs, no execution counts), with the house arc."""
-import json
+committed clean (no outputs, no execution counts), with the house arc.
 
+The execution test runs each notebook at its CI size (notebooks/ci_params.json, injected
+into the parameters cell); INFERCOURSE_NOTEBOOK_SIZE=full runs the defaults instead."""
+import json
+import os
+
+import nbformat
 import pytest
 
-from infercourse.course import notebooks, run_notebook
+from infercourse.course import ci_params, inject, notebook_parameters, notebooks, run_notebook
 
 NOTEBOOKS = notebooks()
 
@@ -32,9 +37,37 @@ def test_committed_clean_with_the_house_arc(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, tmp_path):
-    info = run_notebook(path, tmp_path, html=False)
+    params = ci_params(path) if os.environ.get("INFERCOURSE_NOTEBOOK_SIZE", "ci") == "ci" else {}
+    info = run_notebook(path, tmp_path, html=False, params=params)
     executed = json.loads((tmp_path / "notebooks" / path.name).read_text())
     errors = [o for c in executed["cells"] if c["cell_type"] == "code"
               for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     print(f"{path.name}: {info['seconds']} s")
+
+
+def test_ci_sizes_name_real_parameters():
+    """Every CI size sets only names the notebook's parameters cell defines (a renamed
+    parameter would otherwise silently run the full size in CI)."""
+    table = json.loads((NOTEBOOKS[0].parent / "ci_params.json").read_text())
+    stems = {p.stem for p in NOTEBOOKS}
+    for stem, params in table.items():
+        if stem.startswith("_"):
+            continue
+        assert stem in stems, f"ci_params.json names no notebook {stem}"
+        names = notebook_parameters(NOTEBOOKS[0].parent / f"{stem}.ipynb")
+        assert set(params) <= set(names), f"{stem}: {set(params) - set(names)} not in its parameters cell"
+
+
+def test_inject_replaces_in_place_and_keeps_derived_values():
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell('PROFILE = "cpu"  # the profile\nP = {"cpu": 1, "gpu": 8}[PROFILE]\n'
+                                     'LEVELS = (\n  1,\n  2)\nN = P * 2')
+    cell.metadata["tags"] = ["parameters"]
+    nb.cells = [cell]
+    inject(nb, {"PROFILE": "gpu", "LEVELS": [1, 4]})
+    ns: dict = {}
+    exec(nb.cells[0].source, ns)
+    assert (ns["PROFILE"], ns["P"], ns["LEVELS"], ns["N"]) == ("gpu", 8, [1, 4], 16)
+    assert "injected-parameters" in nb.cells[0].metadata["tags"]
+    assert nb.metadata["infercourse"]["parameters"] == {"PROFILE": "gpu", "LEVELS": [1, 4]}

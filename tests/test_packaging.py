@@ -20,7 +20,14 @@ def test_environment_yml_matches_pyproject():
             declared |= set(map(_norm, reqs))
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
-    assert set(map(_norm, pip_section)) == declared
+    # what conda-forge provides prebuilt (no compile), at the same pinned version
+    conda = {d.split("=")[0]: d for d in env["dependencies"] if isinstance(d, str)}
+    prebuilt = {r for r in declared if r.split("==")[0] in conda}
+    for r in prebuilt:
+        name, ver = r.split("==")
+        assert conda[name] == f"{name}={ver}", f"conda pins {conda[name]}, pyproject {r}"
+    assert any(r.startswith("llama-cpp-python==") for r in prebuilt) and "llama.cpp" in conda
+    assert set(map(_norm, pip_section)) == declared - prebuilt
     py = next(d for d in env["dependencies"] if isinstance(d, str) and d.startswith("python="))
     major_minor = tuple(int(x) for x in py.split("=")[1].split(".")[:2])
     assert major_minor >= tuple(int(x) for x in project["requires-python"].lstrip(">=").split("."))

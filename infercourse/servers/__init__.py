@@ -8,10 +8,10 @@
 | `mlx`      | `mlx_lm.server`                                                   |
 | `vllm`     | vLLM's OpenAI server, and the env its CPU build lives in           |
 """
-from infercourse.servers.llama import LlamaCppPythonServer, LlamaServer, llama_server_binary
+from infercourse.servers.llama import LlamaCppPythonServer, LlamaServer, llama_build_info, llama_server_binary
 from infercourse.servers.mlx import MLXServer
 from infercourse.servers.process import HOST, Server, free_port
 from infercourse.servers.vllm import VLLMServer, ensure_vllm_env, vllm_env_dir, vllm_version
 
-__all__ = ["HOST", "Server", "free_port", "LlamaServer", "LlamaCppPythonServer", "llama_server_binary",
+__all__ = ["HOST", "Server", "free_port", "LlamaServer", "LlamaCppPythonServer", "llama_server_binary", "llama_build_info",
            "MLXServer", "VLLMServer", "ensure_vllm_env", "vllm_env_dir", "vllm_version"]

