@@ -168,3 +168,19 @@ def test_sessions_against_llama_server_agree_with_its_counters(tmp_path):
     assert server["n_samples"] >= 2
     assert server["llamacpp:prompt_tokens_delta"] == evaluated
     assert (tmp_path / "r" / "samples.jsonl").is_file()
+
+
+def test_cli_sessions_and_session_counts(tmp_path, capsys):
+    """`bench --sessions` and `--session-counts` end to end against the loopback stand-in."""
+    from infercourse.cli import bench_main
+    from infercourse.testing import SSESource
+    base = ["--engine", "http", "--turns", "2", "--think-scale", "0", "--warmup", "0", "--no-progress"]
+    with SSESource(ttft_s=0.0, gap_s=0.001) as src:
+        assert bench_main([*base, "--url", src.url, "--sessions", "2", "--out", str(tmp_path / "one")]) == 0
+        out = capsys.readouterr().out
+        assert "by turn:" in out and "by session:" in out and "n_sessions=2" in out
+        assert (tmp_path / "one" / "requests.jsonl").read_text().count("\n") == 4
+        assert bench_main([*base, "--url", src.url, "--session-counts", "1,2", "--slo", "ttft=60",
+                           "--out", str(tmp_path / "sweep")]) == 0
+    out = capsys.readouterr().out
+    assert "good_fraction_later" in out and (tmp_path / "sweep" / "n2" / "manifest.json").is_file()

@@ -320,7 +320,8 @@ def by_session(df: pd.DataFrame) -> pd.DataFrame:
 def sessions_summary(df: pd.DataFrame, slos: Mapping[str, float] | None = None) -> dict[str, Any]:
     """One run of N sessions in a row: sessions, turns ok / failed, sessions that finished
     every turn they started without a failure, cache hit rate over all turns and over
-    turns after the first (the first can never hit: the salt), TTFT p50/p95, goodput."""
+    turns after the first (the first can never hit: the salt), TTFT p50/p95, goodput (all
+    turns, and turns after the first)."""
     from infercourse.core.summary import goodput, throughput
     ok = df[df["status"] == "ok"]
     lost = df.loc[df["status"] != "ok", "session"].nunique()
@@ -329,6 +330,7 @@ def sessions_summary(df: pd.DataFrame, slos: Mapping[str, float] | None = None) 
            "sessions_lost": int(lost), "cache_hit_rate": _hit_rate(ok), "cache_hit_rate_later": _hit_rate(later),
            **{k: v for k, v in _agg(df).items() if k.startswith("ttft")},
            "turns_per_s": throughput(df)["requests_per_s"] if len(df) else float("nan")}
-    if slos:
+    if slos:   # and over later turns: an agent's steady state, once its prefix is cached
         out["good_fraction"] = goodput(df, slos)["good_fraction"]
+        out["good_fraction_later"] = goodput(df[df["turn"] > 0], slos)["good_fraction"] if len(later) else float("nan")
     return out

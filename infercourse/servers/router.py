@@ -169,6 +169,8 @@ class ReplicaGroup:
 
     def set_policy(self, policy: str) -> None:
         """Restart only the router with another policy; the replicas (and their caches) stay."""
+        if policy == self.router.policy:
+            return
         was = self.router.running
         self.router.stop()
         self.router = Router([s.url for s in self.replicas], self.router.kind, policy,
