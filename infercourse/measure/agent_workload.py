@@ -144,9 +144,10 @@ def header_block(salt: str | None = None, call: int | None = None) -> str:
     return f"agent-header: client=infercourse-agent/1.0; entry=cli; req={stamp};\n"
 
 
-def tool_schemas(api: str = "anthropic") -> list[dict[str, Any]]:
-    """The ~15 tool schemas in the API's shape (Anthropic `input_schema`, OpenAI `function`)."""
-    tools = json.loads((DATA_DIR / "coding_agent_tools.json").read_text())
+def tool_schemas(api: str = "anthropic", n: int | None = None) -> list[dict[str, Any]]:
+    """The 15 tool schemas (or the first n) in the API's shape (Anthropic `input_schema`,
+    OpenAI `function`). The session's own five come first."""
+    tools = json.loads((DATA_DIR / "coding_agent_tools.json").read_text())[:n]
     if api == "anthropic":
         tools[-1] = {**tools[-1], "cache_control": {"type": "ephemeral"}}  # the end of the cached part
         return tools
@@ -197,7 +198,8 @@ def _system(api: str, static: str, header: str | None, where: str) -> dict[str, 
 
 def coding_agent_session(*, salt: str | None = None, profile: Any = "cpu", api: str = "anthropic",
                          header: str = "first", bust: bool = False, n_calls: int | None = None,
-                         max_tokens: int | None = None) -> Workload:
+                         max_tokens: int | None = None, n_tools: int | None = None,
+                         static_chars: int | None = None) -> Workload:
     """The coding-agent session as a Workload: one Request per model call, in order.
 
     Call i sends the system prompt, the tools, the task and steps 0..i-1 (each a tool call
@@ -215,6 +217,10 @@ def coding_agent_session(*, salt: str | None = None, profile: Any = "cpu", api: 
         bust: the header changes on every call (the cache buster) instead of once per session.
         n_calls: calls to include (None: as many as fit the profile's window).
         max_tokens: output cap per call (None: the recorded output length of each call).
+        n_tools: send only the first n tool schemas (None: all 15), to shrink the prompt
+            on a slow machine; the session's own tools come first, so its turns stay valid.
+        static_chars: cut the static block at the last paragraph before this many
+            characters (None: whole); like n_tools, a size knob for slow machines.
     """
     if api not in APIS:
         raise ValueError(f"api must be one of {APIS}, got {api!r}")
@@ -222,7 +228,9 @@ def coding_agent_session(*, salt: str | None = None, profile: Any = "cpu", api: 
         raise ValueError(f"header must be one of {HEADERS}, got {header!r}")
     sizes, turns = _sizes(profile), session_turns()
     recorded = json.loads((DATA_DIR / "agentic_session.json").read_text())["calls"]
-    static, tools = static_block(profile), tool_schemas(api)
+    static, tools = static_block(profile), tool_schemas(api, n_tools)
+    if static_chars is not None and len(static) > static_chars:
+        static = static[:static[:static_chars].rfind("\n\n") + 1 or static_chars]
     task = {"role": "user", "content": _task()}
     history: list[dict[str, Any]] = []
     budget = sizes.window - estimate_tokens(static + json.dumps(tools)) - 64   # 64: template markup

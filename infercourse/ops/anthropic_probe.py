@@ -8,11 +8,14 @@ what the agent will actually do:
   the **API layer**, and the report says what to put in front of it.
 - `POST /v1/messages/count_tokens` exists (agents size their context with it; a missing
   one is a warning, not a failure).
+- **the tools reach the model**: `count_tokens` with and without the tool must differ. A
+  chat template with no place for tools (the embedded SmolLM2's own) makes llama-server
+  drop them silently: the agent's tools never reach the model.
 - **a tool call parses**: the probe offers one tool and asks for it (`tool_choice: any`);
   it must come back as a `tool_use` block with JSON input. A call that arrives as text,
-  or a server that refuses tools (llama-server without `--jinja`: "tools param requires
-  --jinja flag"), fails at the **model layer**: the chat template decides whether tools
-  can be rendered and parsed.
+  a model that answers in prose, or a server that refuses tools (llama-server without
+  `--jinja`: "tools param requires --jinja flag") fails at the **model layer**: the model
+  and its chat template decide whether tools are rendered, called and parsed.
 
 Probing talks to the server (`probe_messages`); grading is pure (`grade_messages`), so each
 rule is tested on synthetic evidence like the rest of the doctor.
@@ -66,7 +69,9 @@ def probe_messages(url: str, *, model: str | None = None, timeout_s: float = 5.0
                         "no_route": "no Anthropic Messages API" in e.message,
                         "tools_refused": "jinja" in e.message.lower() or "tool" in e.message.lower()}
     try:
-        ev["count_tokens"] = {"ok": True, "input_tokens": engine.count_tokens("How many tokens is this?")}
+        bare = engine.count_tokens(req.messages)
+        ev["count_tokens"] = {"ok": True, "input_tokens": bare,
+                              "tools_in_prompt": engine.count_tokens(req) > bare}
     except InferCourseError as e:
         ev["count_tokens"] = {"ok": False, "error": e.message}
     finally:
@@ -103,6 +108,10 @@ def grade_messages(ev: dict[str, Any]) -> tuple[LayerCheck, LayerCheck | None]:
              event_types=st.get("event_types"), count_tokens=ct.get("input_tokens"),
              usage_fields=st.get("usage_fields"))
     calls = st.get("tool_calls") or []
+    if ct.get("tools_in_prompt") is False:
+        return api, _c("model", "fail", "the chat template drops the tools: count_tokens is the same with and "
+                       "without them, so the model never sees them (give the server a template that renders "
+                       "tools: llama-server --chat-template-file)", tools_in_prompt=False)
     if calls and all(c.get("error") is None for c in calls):
         return api, _c("model", "ok", f"tool call parsed: {calls[0].get('name')}({calls[0].get('input')})")
     if calls:
