@@ -21,5 +21,6 @@ A concept two notebooks share gets its own module (e.g. `draft_verify`, used by 
 | `troubleshooting`  | 15 layered troubleshooting                           |
 | `symptoms`         | 16 the symptom lab                                   |
 | `capstone`         | 17 the capstone incident                             |
+| `coding_agent`     | 18 the coding agent on a local model                 |
 | `exercises`        | every notebook's self-checks and predictions         |
 """
