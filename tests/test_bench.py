@@ -2,11 +2,17 @@
 
 Timing-exact pattern tests run against `SSESource`, a loopback OpenAI-style server
 with known per-request timing; one test runs the same path against llama.cpp's llama-server.
+
+No test here assumes how fast this machine is, or how busy. A slow client sends late, and
+that lateness is what bench must *report* (dispatch delay, warnings), never what a test
+forbids. So tests assert what holds at any speed: the schedule itself, never early, in
+order, the bookkeeping (`dispatch_delay_s == sent - scheduled`); kills and interrupts fire
+on events (after N completions), not timers; counts are bounded by what the run recorded.
 """
 import _thread
+import asyncio
 import json
 import re
-import threading
 import time
 
 import numpy as np
@@ -174,9 +180,15 @@ def test_write_inline_still_writes_everything(tmp_path):
 
 def test_max_duration_bounds_the_run(tmp_path):
     r = bench.run(FakeEngine(delay_s=0.005), [REQ], max_requests=1000, max_duration_s=0.3, warmup=0,
-                  out_dir=tmp_path / "run", progress=False)          # ~0.05 s per request
-    assert 3 <= len(r.traces) < 20 and "max duration" in r.manifest["stopped"]
-    assert max(t.sent_t for t in r.traces) - r.traces[0].scheduled_t <= 0.3
+                  out_dir=tmp_path / "run", progress=False)          # ~0.05 s per request when idle
+    # how many fit in 0.3 s depends on the machine; that the deadline ended the run does not
+    assert 1 <= len(r.traces) < 1000 and "max duration" in r.manifest["stopped"]
+    assert r.manifest["client"]["wall_s"] > 0.3                         # it ran until the deadline...
+    t0 = r.traces[0].scheduled_t
+    # ...and no further: sequential, so each request went out only after the previous one had
+    # ended, and only if that end came before the deadline
+    assert all(b.sent_t >= a.end_t for a, b in zip(r.traces, r.traces[1:]))
+    assert all(t.end_t - t0 <= 0.3 for t in r.traces[:-1])
 
 
 def test_engine_error_becomes_error_trace_and_run_goes_on(tmp_path):
@@ -237,56 +249,118 @@ def test_fixed_concurrency_hits_target(source, tmp_path):
     assert len(r.traces) == 16 and all(t.status == "ok" for t in r.traces)
     assert max_overlap(r.traces) == 4 == r.manifest["client"]["max_in_flight"]
     assert all(t.completion_tokens == 10 for t in r.traces)
-    wall = max(t.end_t for t in r.traces) - min(t.scheduled_t for t in r.traces)
-    per_req = np.median([t.end_t - t.sent_t for t in r.traces])
-    assert 16 / wall == pytest.approx(4 / per_req, rel=0.3)          # 4 busy workers all the time
+    by_due = sorted(r.traces, key=lambda t: t.scheduled_t)
+    assert sum(t.scheduled_t == by_due[0].scheduled_t for t in r.traces) == 4   # each worker's first, at t0
+    # closed loop: a worker's next request is due when its previous one ends, so the k-th
+    # later request cannot be due before k requests have ended (at any speed)
+    ends = np.sort([t.end_t for t in r.traces])
+    assert all(np.sum(ends <= t.scheduled_t) >= k for k, t in enumerate(by_due[4:], start=1))
 
 
 @pytest.mark.slow
 def test_sweep_one_row_per_level(source, tmp_path):
     table, runs = bench.sweep(http_engine(source.url), [REQ], (1, 4), requests_per_level=8, warmup=0,
                               out_dir=tmp_path, progress=False)
+    from infercourse.core.summary import throughput
     assert list(table.index) == [1, 4] and list(table["max_in_flight"]) == [1, 4]
-    assert table.loc[4, "requests_per_s"] > 2 * table.loc[1, "requests_per_s"]   # not saturated yet
+    # each row is its own run's numbers (how far 4 beats 1 depends on this machine's spare CPU)
+    for level, run in zip((1, 4), runs):
+        assert table.loc[level, "requests_per_s"] == pytest.approx(throughput(run.df)["requests_per_s"])
+        assert max_overlap(run.traces) == level
     assert (tmp_path / "c4" / "requests.jsonl").read_text().count("\n") == 8
+
+
+class HoldFirstUntilSecond:
+    """Wraps an HTTP engine: the first measured request does not finish until the second
+    has reached the engine. An open loop sends the second when it is due anyway; a loop
+    that waited for earlier requests would stall here (the hold gives up after 60 s and
+    says so). An event, not a timer: it proves the loop open at any machine speed."""
+
+    def __init__(self, inner):
+        self.inner, self.entered, self.second, self.overlapped = inner, 0, asyncio.Event(), None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def astream(self, request, client=None):
+        measured = not request.prompt.startswith("Warm-up")
+        k, self.entered = self.entered, self.entered + measured
+        if measured and k == 1:
+            self.second.set()
+        async for ev in self.inner.astream(request, client=client):
+            if measured and k == 0 and ev.done and self.overlapped is None:
+                try:
+                    await asyncio.wait_for(self.second.wait(), 60)
+                    self.overlapped = True
+                except asyncio.TimeoutError:
+                    self.overlapped = False
+            yield ev
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pattern", ["rate", "poisson"])
-def test_open_loop_hits_target_rate(source, tmp_path, pattern):
-    r = bench.run(http_engine(source.url), [REQ], pattern=pattern, rate_rps=20.0, seed=3,
+def test_open_loop_keeps_its_schedule(source, tmp_path, pattern):
+    eng = HoldFirstUntilSecond(http_engine(source.url))
+    r = bench.run(eng, [REQ], pattern=pattern, rate_rps=20.0, seed=3,
                   max_requests=30, warmup=1, out_dir=tmp_path / "run", progress=False)
-    sched = np.array(sorted(t.scheduled_t for t in r.traces))
+    assert len(r.traces) == 30 and all(t.status == "ok" for t in r.traces)
+    by_id = sorted(r.traces, key=lambda t: t.request_id)
+    sched = np.array([t.scheduled_t for t in by_id])
     expected = (bench.constant_schedule if pattern == "rate" else
                 lambda n, rate: bench.poisson_schedule(n, rate, seed=3))(30, 20.0)
-    assert np.allclose(sched - sched[0], expected)
-    delays = np.array([t.sent_t - t.scheduled_t for t in r.traces])
-    # never early, and late by less than one inter-arrival gap (else the loop is not open)
-    assert np.all(delays >= 0) and np.percentile(delays, 95) < 1 / 20.0
-    sent = np.sort([t.sent_t for t in r.traces])
-    if pattern == "rate":
-        assert 29 / (sent[-1] - sent[0]) == pytest.approx(20.0, rel=0.1)
-    assert max_overlap(r.traces) >= 2          # open loop: does not wait for earlier requests
+    assert np.allclose(sched - sched[0], expected)                     # the schedule, exactly
+    sent = np.array([t.sent_t for t in by_id])
+    assert np.all(sent >= sched)                                       # never early
+    assert np.all(np.diff(sent) >= 0)                                  # in schedule order
+    df = r.df.set_index("request_id").loc[[t.request_id for t in by_id]]
+    assert np.allclose(df["dispatch_delay_s"], sent - sched, rtol=0, atol=1e-9)   # latency from the schedule
+    assert np.allclose(df["ttft_s"] - df["ttft_from_send_s"], sent - sched, rtol=0, atol=1e-9)
+    assert eng.overlapped is True and max_overlap(r.traces) >= 2         # open: sent before 0 ended
+    # How late this machine sent is reported, not forbidden: a client that fell behind its
+    # schedule says so in the result, one that kept up does not
+    ok = r.df[r.df["status"] == "ok"]
+    behind = ok["dispatch_delay_s"].quantile(0.95) > max(0.005, 0.25 * ok["ttft_from_send_s"].median())
+    assert behind == any("fell behind its schedule" in w for w in r.warnings)
+
+
+class KillAfterN:
+    """Wraps an HTTP engine: kills the server the moment the `n`-th request has finished
+    (an event, where a timer would fire before any request had finished on a slow machine)."""
+
+    def __init__(self, inner, n, kill):
+        self.inner, self.n, self.kill, self.finished = inner, n, kill, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def astream(self, request, client=None):
+        async for ev in self.inner.astream(request, client=client):
+            yield ev
+        self.finished += 1
+        if self.finished == self.n:
+            self.kill()
 
 
 @pytest.mark.slow
 def test_killed_server_keeps_finished_requests(tmp_path):
     pytest.importorskip("httpx_sse")
-    src = SSESource(ttft_s=0.0, gap_s=0.02)                  # 0.6 s per 30-token request
+    src = SSESource(ttft_s=0.0, gap_s=0.02)                  # >= 0.6 s per 30-token request
     with src:
-        threading.Timer(1.5, src.stop).start()
         with pytest.raises(ServerLayerError, match="stopped answering mid-run") as ei:
-            bench.run(http_engine(src.url), [Request(prompt="hi", max_tokens=30)], pattern="concurrency",
-                      concurrency=2, max_requests=20, warmup=0, out_dir=tmp_path / "run", progress=False)
+            bench.run(KillAfterN(http_engine(src.url), 3, src.stop), [Request(prompt="hi", max_tokens=30)],
+                      pattern="concurrency", concurrency=2, max_requests=20, warmup=0,
+                      out_dir=tmp_path / "run", progress=False)
     err = ei.value
     assert "server layer" in str(err)
     part = err.partial
     ok = [t for t in part.traces if t.status == "ok"]
     bad = [t for t in part.traces if t.status == "error"]
-    # in flight at the kill (<= 2) plus at most one per worker sent before the kill was seen
-    assert len(ok) >= 2 and 1 <= len(bad) <= 4 and len(part.traces) < 20
+    # the 3 that finished before the kill are kept; each worker stops at its first failure
+    # (a refused connect means the server is gone), so at most one error per worker
+    assert len(ok) >= 3 and 1 <= len(bad) <= 2 and len(ok) + len(bad) == len(part.traces) < 20
     first_fail = min(t.end_t for t in bad)
-    assert all(t.sent_t <= first_fail + 1.5 for t in part.traces), "kept sending after the server died"
+    # after the first failure only the other worker may still send, once
+    assert sum(t.sent_t > first_fail for t in part.traces) <= 1, "kept sending after the server died"
     run = load_run(tmp_path / "run")                                  # readable afterwards
     assert len(run.traces) == len(part.traces)
     assert sorted(t.request_id for t in run.traces if t.status == "ok") == sorted(t.request_id for t in ok)
@@ -334,15 +408,22 @@ def test_ctrl_c_async_keeps_finished_requests(source, tmp_path, python_sigint_ha
 @pytest.mark.slow
 def test_deadline_keeps_requests_queued_at_the_cap(tmp_path):
     pytest.importorskip("httpx_sse")
-    with SSESource(ttft_s=0.05, gap_s=0.01) as src:        # ~0.15 s a request, 2 at a time
+    # The server holds every request >= 1 s, past the 0.6 s deadline, so whatever this
+    # machine's speed the cap (2) stays full until after the deadline: the first two are
+    # the only ones ever sent, and every later one that fell due is queued.
+    with SSESource(ttft_s=1.0, gap_s=0.01) as src:
         r = bench.run(http_engine(src.url), [REQ], pattern="rate", rate_rps=50.0, max_requests=60,
                       max_in_flight=2, max_duration_s=0.6, warmup=0, salt=False,
                       out_dir=tmp_path / "run", progress=False)
     t0 = min(t.scheduled_t for t in r.traces)
+    sent = [t for t in r.traces if t.tags.get("sent") is not False]
     queued = [t for t in r.traces if t.status == "incomplete"]
-    # ~30 were due within 0.6 s, the server finishes ~13/s: most were still waiting at the
-    # cap when the deadline passed. They are kept, never sent, not silently dropped.
-    assert len(queued) >= 5 and all(t.tags["sent"] is False and t.sent_t != t.sent_t for t in queued)
+    assert sorted(t.request_id for t in sent) == [0, 1] and all(t.status == "ok" for t in sent)
+    # how many fell due before the deadline depends on speed; the run's own record does not:
+    # every one recorded past the cap is queued, never sent, and none is silently dropped
+    assert len(queued) == len(r.traces) - 2 >= 1
+    assert all(t.tags["sent"] is False and t.sent_t != t.sent_t for t in queued)
+    assert sorted(t.request_id for t in r.traces) == list(range(len(r.traces)))
     assert all(t.scheduled_t - t0 <= 0.6 for t in r.traces)             # only what was due
     assert r.df["e2e_s"][r.df["status"] == "incomplete"].notna().all()   # waited at least this long
     assert f"{len(queued)} incomplete" in r.report()
@@ -379,22 +460,26 @@ def test_saturation_wait_at_the_cap_is_in_ttft(tmp_path):
     assert len(r.traces) == 14 and all(t.status == "ok" for t in r.traces)
     assert r.manifest["client"]["max_in_flight"] == 2 and any("cap (2)" in w for w in r.warnings)
     df = r.df.set_index("request_id")
-    waited = []
     for t in r.traces:
-        busy = [o for o in r.traces if o is not t and o.sent_t <= t.scheduled_t < o.end_t]
-        if len(busy) < 2:
-            continue                                           # a slot was free when it was due
-        waited.append(t)
-        wait = t.sent_t - t.scheduled_t
-        row = df.loc[t.request_id]
+        wait, row = t.sent_t - t.scheduled_t, df.loc[t.request_id]
         assert row.ttft_s - row.ttft_from_send_s == pytest.approx(wait, abs=1e-9)
         assert row.dispatch_delay_s == pytest.approx(wait, abs=1e-9)
-        # the wait the engine saw (its own clock) is the wait recorded, to a few percent
-        assert eng.entered[reqs[t.request_id].prompt] - t.scheduled_t == pytest.approx(wait, rel=0.1)
-        assert t.sent_t >= min(o.end_t for o in busy)          # it went only once a slot freed
-    assert len(waited) >= 6
-    waits = [t.sent_t - t.scheduled_t for t in sorted(waited, key=lambda t: t.scheduled_t)]
-    assert waits[-1] > 2 * waits[0]                            # the queue grew; TTFT shows it
+        # the engine (its own clock) got it no earlier than its recorded send, and before its
+        # first chunk: the recorded wait is a wait the request really had
+        assert t.sent_t <= eng.entered[reqs[t.request_id].prompt] <= t.chunk_t[0]
+        busy = [o for o in r.traces if o is not t and o.sent_t <= t.scheduled_t < o.end_t]
+        if len(busy) >= 2:                                     # due with both slots taken:
+            assert t.sent_t >= min(o.end_t for o in busy)      # it went only once a slot freed
+    assert max_overlap(r.traces) == 2
+    # The queue grew, by a bound from this run's own record: each request held its slot at
+    # least s_min, so the k-th sent cannot leave before (k // 2) * s_min, whatever the speed.
+    s_min = min(t.end_t - t.sent_t for t in r.traces)
+    t0 = min(t.scheduled_t for t in r.traces)
+    by_sent = sorted(r.traces, key=lambda t: t.sent_t)
+    assert all(t.sent_t - t0 >= (k // 2) * s_min - 1e-9 for k, t in enumerate(by_sent))
+    last = by_sent[-1]
+    must_wait = (len(by_sent) - 1) // 2 * s_min - (last.scheduled_t - t0)   # ~6 x 0.15 - 0.325 s
+    assert must_wait > 0 and df.loc[last.request_id].ttft_s >= must_wait    # and TTFT shows it
 
 
 @pytest.mark.slow

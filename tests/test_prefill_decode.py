@@ -47,9 +47,10 @@ def test_prefill_sweep_rows_lengths_and_engine_timings(tmp_path):
     assert (df["prompt_tokens"] == df["prompt_len"]).all()          # exact lengths reached
     assert all(not c and e for _, c, e in eng.seen)                  # no prefix reuse, forced length
     assert len(eng.seen) == 7                                        # + 1 warm-up request
-    ttft = df.groupby("prompt_len")["ttft_s"].median()
-    assert ttft[256] > ttft[64] > ttft[8]                            # prefill grows with the prompt
-    assert ttft[256] == pytest.approx(256 * PREFILL_S_PER_TOKEN, rel=0.5, abs=0.01)
+    # The client's clock: a sleep never ends early, so TTFT is at least the prefill; how much
+    # later it came depends on how busy this machine is, so no upper bound and no ordering.
+    assert (df["ttft_s"] >= df["prompt_len"] * PREFILL_S_PER_TOKEN).all()
+    # The engine's own timings are exact: prefill grows with the prompt, per token
     assert df["engine_prefill_s"].tolist() == pytest.approx(df["prompt_len"] * PREFILL_S_PER_TOKEN)
     assert df["engine_decode_tok_per_s"].iloc[0] == pytest.approx(1 / DECODE_S)
     assert (tmp_path / df.attrs["run_dir"].split("/")[-1] / "manifest.json").exists()

@@ -145,6 +145,24 @@ async def _one(engine, client, i: int, req: Request, scheduled_t: float, st: Sta
 send_one = _one   # one request on the loop, recorded into State (sessions send turn by turn)
 
 
+async def _sleep_until(loop, when_loop: float, due: float) -> None:
+    """Sleep until `when_loop` on the loop's clock, then until `due` on ours.
+
+    An absolute deadline, not `asyncio.sleep(due - now)` computed when the task first runs:
+    on a busy machine the tasks start late and unevenly, and relative sleeps can then wake
+    a later request before an earlier one. Timers fire in the order they are due, so
+    requests go out in schedule order however late; the last loop makes "never early"
+    exact whatever the two clocks' grain."""
+    fut = loop.create_future()
+    handle = loop.call_at(when_loop, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        handle.cancel()
+    while (left := due - time.perf_counter()) > 0:
+        await asyncio.sleep(left)
+
+
 def _never_sent(i: int, due: float, st: State, cap: int, tags: dict) -> RequestTrace:
     why = f"due, but waited at the in-flight cap ({cap}) until the run stopped ({st.stop_reason or 'cancelled'})"
     return incomplete_trace([], why, request_id=i, scheduled_t=due, sent_t=float("nan"),
@@ -178,11 +196,12 @@ async def run_async(engine, reqs, offsets, concurrency, max_in_flight, deadline_
                         sched = time.perf_counter()   # free now: the next one is due now
                 tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
             else:                                    # open loop: on schedule, capped
-                gate = asyncio.Semaphore(max_in_flight)
+                gate, loop = asyncio.Semaphore(max_in_flight), asyncio.get_running_loop()
+                shift = -(time.perf_counter() - loop.time())   # our clock -> the loop's, read once
 
                 async def fire(i, off):
                     due = t0 + off
-                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                    await _sleep_until(loop, due + shift, due)
                     if over():
                         return                   # not due before the run ended: not part of it
                     try:
