@@ -412,3 +412,15 @@ def test_doctor_anthropic_route_healthy_then_without_jinja(llama):
     with LlamaServer(n_parallel=1, ctx_size=2048, threads=1, jinja=False) as plain:
         api, model = grade_messages(probe_messages(plain.url, timeout_s=120))
     assert model.status == "fail" and "refused the tools" in model.summary
+
+
+@pytest.mark.slow
+def test_symptom_checks_name_their_layers(llama):
+    """The route's two symptom rows (notebooks 16/17): a busted cache names the KV cache;
+    the 135M model asked for a tool answers without one (model layer)."""
+    from infercourse.ops.anthropic_probe import cache_buster_check, tool_check
+    layer, evidence, got = cache_buster_check(llama.url)
+    assert layer == "KV cache", evidence
+    assert got["busted"]["cached"] < got["fixed"]["cached"]
+    layer, evidence, _ = tool_check(llama.url)
+    assert layer == "model", evidence

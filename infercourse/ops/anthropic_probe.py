@@ -18,7 +18,9 @@ what the agent will actually do:
   and its chat template decide whether tools are rendered, called and parsed.
 
 Probing talks to the server (`probe_messages`); grading is pure (`grade_messages`), so each
-rule is tested on synthetic evidence like the rest of the doctor.
+rule is tested on synthetic evidence like the rest of the doctor. `cache_buster_check` and
+`tool_check` reproduce the route's two symptoms ("the agent is slow on every call", "tool
+calling fails") for the symptom lab and the capstone.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from infercourse.core.types import Request
 from infercourse.ops.layers import NEXT_STEP, LayerCheck, LayerReport
 
 __all__ = ["EXPECTED_EVENTS", "PROBE_TOOL", "probe_messages", "grade_messages", "with_anthropic",
-           "PROXY_HINT"]
+           "PROXY_HINT", "cache_buster_check", "tool_check"]
 
 EXPECTED_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
                    "message_delta", "message_stop")
@@ -146,3 +148,47 @@ def with_anthropic(report: LayerReport, url: str, **kw: Any) -> LayerReport:
                                                   f"{checks[first].layer})", c.evidence)
                                        for c in checks[first + 1:]]
     return LayerReport(report.target, checks, report.seconds)
+
+
+def cache_buster_check(url: str, *, n_calls: int = 2, **size: Any) -> tuple[str | None, str, dict[str, Any]]:
+    """"The agent is slow on every call": the coding-agent session's last call sent twice
+    over /v1/messages, after its predecessor, with a fixed header and with the cache
+    buster (a new header value every call). (layer or None, evidence, values): "KV cache"
+    when the busted call reuses almost nothing of a prompt the fixed one mostly reuses.
+
+    Args:
+        n_calls: calls of the session (>= 2: the last one is measured).
+        size: `coding_agent_session` sizes (n_tools=, static_chars=, max_tokens=).
+    """
+    from infercourse.core.metrics import ttft_s
+    from infercourse.core.trace import record
+    from infercourse.engines.anthropic_http import AnthropicHTTPEngine
+    from infercourse.measure.agent_workload import coding_agent_session
+    size = {"n_tools": 3, "static_chars": 800, "max_tokens": 4, **size}
+    eng, got = AnthropicHTTPEngine(url, timeout=600.0), {}
+    try:
+        for name, bust in (("fixed", False), ("busted", True)):
+            reqs = coding_agent_session(n_calls=n_calls, bust=bust, salt=name, **size).requests
+            for req in reqs[:-1]:
+                record(eng, req)
+            tr = record(eng, reqs[-1])
+            got[name] = {"prompt": tr.prompt_tokens, "cached": tr.cached_tokens, "ttft_s": ttft_s(tr)}
+    finally:
+        eng.close()
+    f, b = got["fixed"], got["busted"]
+    if None in (f["cached"], b["cached"], f["ttft_s"], b["ttft_s"]):
+        return None, f"no cached-token count from the server: {got}", got
+    busted = b["cached"] < 0.2 * b["prompt"] <= f["cached"]
+    evidence = (f"same call, fixed header: {f['cached']}/{f['prompt']} prompt tokens from cache, TTFT "
+                f"{1e3 * f['ttft_s']:.0f} ms; a new header value first: {b['cached']}/{b['prompt']}, TTFT "
+                f"{1e3 * b['ttft_s']:.0f} ms ({b['ttft_s'] / f['ttft_s']:.1f}x)")
+    return ("KV cache" if busted else None), evidence, got
+
+
+def tool_check(url: str) -> tuple[str | None, str, dict[str, Any]]:
+    """"Tool calling fails" over /v1/messages: the doctor's Anthropic checks on `url`.
+    (the failing layer or None, evidence, the probe's evidence)."""
+    ev = probe_messages(url, timeout_s=600.0, max_tokens=16)
+    api, model = grade_messages(ev)
+    bad = next((c for c in (api, model) if c is not None and c.status == "fail"), None)
+    return (bad.layer if bad else None), (bad or model or api).summary, ev
