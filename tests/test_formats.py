@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from infercourse.models import formats
+from infercourse.models import derive, formats
 from infercourse.core.errors import ModelLayerError, RuntimeLayerError
 from infercourse.models.modelcard import model_card
 from infercourse.models.embedded import embedded_gguf, file_sha256
@@ -78,7 +78,7 @@ def test_manifest_records_provenance(hf_dir, f16_path):
     m = formats.manifest(hf_dir)
     assert m["source_sha256"] == file_sha256(embedded_gguf())
     assert m["tool"] == "transformers" and m["version"] and m["seconds"] > 0
-    assert m["output_sha256"] == formats._hash_folder(hf_dir)
+    assert m["output_sha256"] == derive.hash_folder(hf_dir)
     m16 = formats.manifest(f16_path)
     assert m16["tool"] == "convert_hf_to_gguf.py" and "f16" in m16["args"]
     assert model_card(f16_path).quantization == "F16"
@@ -204,14 +204,14 @@ def test_failed_build_and_leftovers_are_never_taken_as_valid(tmp_path):
         raise RuntimeLayerError("tool died")
 
     with pytest.raises(RuntimeLayerError):
-        formats._derive(target, failing)
+        derive.derive(target, failing)
     assert not target.exists() and not list(tmp_path.glob(".thing.tmp-*"))
 
     def ok(out):
         (out / "data").write_bytes(b"done")
         return {"tool": "test", "version": "0", "args": []}
 
-    assert (formats._derive(target, ok) / "data").read_bytes() == b"done"
+    assert (derive.derive(target, ok) / "data").read_bytes() == b"done"
     assert formats.manifest(target)["tool"] == "test"
 
 
@@ -221,10 +221,10 @@ def test_killed_derivation_is_not_taken_as_valid(tmp_path):
     import subprocess
     import sys
     target = tmp_path / "t"
-    code = ("import sys, time; from pathlib import Path; from infercourse.models import formats\n"
+    code = ("import sys, time; from pathlib import Path; from infercourse.models import derive\n"
             "def build(out):\n"
             "    (out / 'part').write_bytes(b'x'); print('started', flush=True); time.sleep(60)\n"
-            f"formats._derive(Path({str(target)!r}), build)\n")
+            f"derive.derive(Path({str(target)!r}), build)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "started"
@@ -237,7 +237,7 @@ def test_killed_derivation_is_not_taken_as_valid(tmp_path):
         (out / "data").write_bytes(b"done")
         return {"tool": "test", "version": "0", "args": []}
 
-    assert (formats._derive(target, ok) / "data").read_bytes() == b"done"
+    assert (derive.derive(target, ok) / "data").read_bytes() == b"done"
     assert not list(tmp_path.glob(".t.tmp-*"))  # the retry swept the debris
 
 
@@ -250,7 +250,7 @@ def test_lock_lets_one_process_build_while_others_wait(tmp_path):
         (out / "data").write_bytes(b"done")
         return {"tool": "test", "version": "0", "args": []}
 
-    threads = [threading.Thread(target=formats._derive, args=(tmp_path / "t", slow))
+    threads = [threading.Thread(target=derive.derive, args=(tmp_path / "t", slow))
                for _ in range(3)]
     for t in threads:
         t.start()

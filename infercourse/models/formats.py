@@ -12,112 +12,28 @@ Why float32 for hf/: a Q4_1 weight is d*q + m with fp16 d and m and a 4-bit q, a
 tied embedding is Q8_0 (d*q, 8-bit q); such products need up to ~19 significand bits, so
 fp16 (11) and bf16 (8) would round them. float32 (24) holds them exactly (tested).
 
-Every derivation is built in a temporary sibling folder, gets a `manifest.json` (source
-sha256, tool and version, arguments, output sha256, seconds), and is renamed into place
-only when complete, under a file lock: an interrupted or concurrent conversion never
-leaves a folder that a later call takes as valid.
+Every derivation goes through `models.derive`: built in a temporary sibling folder, with a
+`manifest.json` of its conditions, renamed into place only when complete, under a file lock.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
-import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import Callable
 
 from infercourse.core.errors import BackendMissingError, ModelLayerError, RuntimeLayerError
-from infercourse.models.embedded import cache_dir, embedded_gguf, file_sha256
+from infercourse.models.derive import derive, derived_dir, manifest, source_gguf
+from infercourse.models.embedded import cache_dir
 
 __all__ = ["hf_folder", "f16_gguf", "quantized_gguf", "quant_ladder", "mlx_folder",
            "ensure_all", "derived_dir", "manifest", "LADDER"]
 
 LADDER = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K")
 _STEM = "SmolLM2-135M-Instruct"
-
-
-def derived_dir(source: str | Path | None = None) -> Path:
-    """Folder holding everything derived from `source` (default: the embedded GGUF)."""
-    src = _source(source)
-    return cache_dir() / "derived" / file_sha256(src)[:16]
-
-
-def manifest(path: str | Path) -> dict:
-    """The manifest of a derived output (a folder, or a file inside one)."""
-    p = Path(path)
-    folder = p if p.is_dir() else p.parent
-    try:
-        return json.loads((folder / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLayerError(f"{folder} has no readable manifest.json: not a finished derivation",
-                              hint="delete it and derive again") from e
-
-
-def _source(source) -> Path:
-    src = embedded_gguf() if source is None else Path(source)
-    if not src.is_file():
-        raise ModelLayerError(f"source GGUF {src} not found")
-    with open(src, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ModelLayerError(f"source {src} is not a GGUF file (bad magic bytes)")
-    return src
-
-
-def _derive(target: Path, build: Callable[[Path], dict], *, source: Path | None = None) -> Path:
-    """Build the folder `target` once: under a lock, into a temp sibling, then rename.
-
-    Args:
-        target: final folder; it exists only when it is complete (holds manifest.json).
-        build: writes the output into the (empty, existing) folder it is given and
-            returns {"tool", "version", "args"} for the manifest.
-        source: the file the output derives from, recorded by its sha256.
-    """
-    from filelock import FileLock
-
-    if (target / "manifest.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock"):
-        if (target / "manifest.json").is_file():  # another process finished it meanwhile
-            return target
-        if target.exists():  # no manifest: a leftover of a crash before atomic writes
-            shutil.rmtree(target)
-        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # we hold the lock
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-        tmp.mkdir()
-        try:
-            t0 = time.perf_counter()
-            info = build(tmp)
-            seconds = time.perf_counter() - t0
-            record = {"output": target.name, **info, "seconds": round(seconds, 2),
-                      "source": str(source) if source else None,
-                      "source_sha256": file_sha256(source) if source else None,
-                      "output_sha256": _hash_folder(tmp),
-                      "output_bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()),
-                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            (tmp / "manifest.json").write_text(json.dumps(record, indent=2))
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return target
-
-
-def _hash_folder(folder: Path) -> str:
-    """sha256 over a folder's files (names and bytes), manifest.json excluded."""
-    import hashlib
-    h = hashlib.sha256()
-    for p in sorted(q for q in folder.rglob("*") if q.is_file() and q.name != "manifest.json"):
-        h.update(p.relative_to(folder).as_posix().encode())
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 def hf_folder(source: str | Path | None = None) -> Path:
@@ -130,7 +46,7 @@ def hf_folder(source: str | Path | None = None) -> Path:
     Args:
         source: a GGUF file; None for the embedded model.
     """
-    src = _source(source)
+    src = source_gguf(source)
 
     def build(out: Path) -> dict:
         try:
@@ -158,7 +74,7 @@ def hf_folder(source: str | Path | None = None) -> Path:
         return {"tool": "transformers", "version": transformers.__version__,
                 "args": {"gguf_file": src.name, "dtype": "float32", "rope_theta": cfg["rope_theta"]}}
 
-    return _derive(derived_dir(src) / "hf", build, source=src)
+    return derive(derived_dir(src) / "hf", build, source=src)
 
 
 def _gguf_rope_theta(src: Path) -> float:
@@ -197,7 +113,7 @@ def llama_cpp_source() -> Path:
             raise RuntimeLayerError(f"{sdist} has no vendor/llama.cpp/convert_hf_to_gguf.py")
         return {"tool": "pip download", "version": ver, "args": cmd}
 
-    return _derive(root, build)
+    return derive(root, build)
 
 
 def f16_gguf(source: str | Path | None = None) -> Path:
@@ -206,7 +122,7 @@ def f16_gguf(source: str | Path | None = None) -> Path:
     Args:
         source: a GGUF file; None for the embedded model.
     """
-    src = _source(source)
+    src = source_gguf(source)
     hf = hf_folder(src)
     tools = llama_cpp_source()
     name = f"{_STEM}.F16.gguf"
@@ -222,7 +138,7 @@ def f16_gguf(source: str | Path | None = None) -> Path:
         return {"tool": "convert_hf_to_gguf.py", "version": version("llama-cpp-python"),
                 "args": [str(hf), "--outtype", "f16", "--outfile", name]}
 
-    return _derive(derived_dir(src) / "gguf-F16", build, source=hf / "model.safetensors") / name
+    return derive(derived_dir(src) / "gguf-F16", build, source=hf / "model.safetensors") / name
 
 
 def quantized_gguf(qtype: str, source: str | Path | None = None, *, n_threads: int = 2) -> Path:
@@ -243,7 +159,7 @@ def quantized_gguf(qtype: str, source: str | Path | None = None, *, n_threads: i
     if ftype is None:
         raise ModelLayerError(f"unknown quantization type {qtype!r}",
                               hint=f"use one of {', '.join(LADDER)}")
-    src = _source(source)
+    src = source_gguf(source)
     f16 = f16_gguf(src)
     name = f"{_STEM}.{qtype.upper()}.gguf"
 
@@ -257,7 +173,7 @@ def quantized_gguf(qtype: str, source: str | Path | None = None, *, n_threads: i
         return {"tool": "llama_model_quantize", "version": version("llama-cpp-python"),
                 "args": {"ftype": qtype.upper(), "input": f16.name, "nthread": n_threads}}
 
-    return _derive(derived_dir(src) / f"gguf-{qtype.upper()}", build, source=f16) / name
+    return derive(derived_dir(src) / f"gguf-{qtype.upper()}", build, source=f16) / name
 
 
 def quant_ladder(qtypes=LADDER, source: str | Path | None = None, *, with_nll: bool = False):
@@ -290,7 +206,7 @@ def mlx_folder(quantize_bits: int | None = None, source: str | Path | None = Non
             quantization with `group_size` weights per scale and bias.
         source: a GGUF file; None for the embedded model.
     """
-    src = _source(source)
+    src = source_gguf(source)
     hf = hf_folder(src)
 
     def build(out: Path) -> dict:
@@ -310,7 +226,7 @@ def mlx_folder(quantize_bits: int | None = None, source: str | Path | None = Non
         return {"tool": "mlx_lm.convert", "version": version("mlx-lm"), "args": args}
 
     sub = "mlx" if quantize_bits is None else f"mlx-q{quantize_bits}"
-    return _derive(derived_dir(src) / sub, build, source=hf / "model.safetensors")
+    return derive(derived_dir(src) / sub, build, source=hf / "model.safetensors")
 
 
 def ensure_all(source: str | Path | None = None, qtypes=("Q8_0", "Q4_K_M", "Q2_K"),
