@@ -30,6 +30,7 @@ from infercourse.core.errors import LAYERS, InferCourseError
 from infercourse.core.types import Request, generate
 from infercourse.measure import noise
 from infercourse.measure.hardware import utc_now
+from infercourse.ops.anthropic_probe import cache_buster_check, tool_check
 from infercourse.ops.faults import FAULTS, run_fault
 
 __all__ = ["SYMPTOMS", "DIFFERS", "SymptomRow", "reproduce", "context_growth", "cpu_contention", "retry_tail",
@@ -45,6 +46,9 @@ SYMPTOMS = {
     "tokens slow": (("runtime", "quantization", "hardware"), "cpu_contention"),
     "crash after a long run": (("memory", "KV cache"), "memory_growth"),
     "tool calling fails": (("model", "API"), "template_breaks_tools"),
+    # the coding-agent route (notebook 18): POST /v1/messages, as Claude Code sends it
+    "agent slow on every call": (("KV cache", "context"), "cache_buster"),
+    "tool calling fails over /v1/messages": (("model", "API"), "anthropic_tools"),
     "streaming fails": (("API", "server"), "cut"),
     "new model will not run": (("model", "runtime", "memory"), "model_corrupt"),
     "model runs but the agent is unstable": (("context", "model"), "context_overflow"),
@@ -205,7 +209,9 @@ def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float =
             row.evidence = f"client: {_clean(client)} / doctor: {_clean(hit.summary if hit else 'nothing')}"
         else:
             row.layer, row.evidence, row.values = {"context_growth": context_growth,
-                                                   "cpu_contention": cpu_contention}[how](server)
+                                                   "cpu_contention": cpu_contention,
+                                                   "cache_buster": lambda s: cache_buster_check(s.url),
+                                                   "anthropic_tools": lambda s: tool_check(s.url)}[how](server)
             if row.layer is None:
                 row.evidence = "not reproduced beyond noise: " + row.evidence
     except InferCourseError as e:   # cannot be produced here: say why, never fake it
