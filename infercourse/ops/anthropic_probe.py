@@ -164,7 +164,7 @@ def cache_buster_check(url: str, *, n_calls: int = 2, **size: Any) -> tuple[str 
     from infercourse.core.trace import record
     from infercourse.engines.anthropic_http import AnthropicHTTPEngine
     from infercourse.measure.agent_workload import coding_agent_session
-    size = {"n_tools": 3, "static_chars": 800, "max_tokens": 4, **size}
+    size = {"n_tools": 3, "static_chars": 400, "max_tokens": 4, **size}   # fits a 512-token slot
     eng, got = AnthropicHTTPEngine(url, timeout=600.0), {}
     try:
         for name, bust in (("fixed", False), ("busted", True)):
