@@ -60,6 +60,8 @@ DIFFERS = {
                    "the lab reproduces the other common way to hang: a frozen server process (state T)",
     "tokens slow": "quantization is not a layer of the walk: it is a property of the model file (model layer); "
                    "the lab makes tokens slow by taking the CPU away (hardware)",
+    "crash after a long run": "the OOM killer's SIGKILL leaves no line in the server's log, so the doctor sees only a "
+                              "process gone (server); the RSS growth before the kill is what says memory",
 }
 
 _HTML = re.compile(r"<[^>]+>")
@@ -207,6 +209,11 @@ def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float =
             row.layer, row.values = r.named, {"doctor_s": r.doctor_s, "client_error": r.client_error}
             client = r.client_error or "no error, only slow"
             row.evidence = f"client: {_clean(client)} / doctor: {_clean(hit.summary if hit else 'nothing')}"
+            if "rss_killed_mib" in r.notes:     # memory_growth: the readings the doctor cannot see after the kill
+                n = r.notes
+                row.evidence += (f" / memory before the kill: RSS {n['rss_first_mib']:.0f} → {n['rss_killed_mib']:.0f} "
+                                 f"MiB over {n['answered']} answers (+{n['step_mib']:.1f} MiB of host prompt cache "
+                                 f"each), killed at the {n['limit_mib']:.0f}-MiB limit")
         else:
             row.layer, row.evidence, row.values = {"context_growth": context_growth,
                                                    "cpu_contention": cpu_contention,

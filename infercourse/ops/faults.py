@@ -63,7 +63,7 @@ FAULTS = {f.name: f for f in [
     Fault("memory_limited", "the server will not start (or dies under load)", "memory",
           "RLIMIT_AS below what the KV cache needs"),
     Fault("memory_growth", "it worked for a while, then the server died", "memory",
-          "host prompt cache grows under an address-space limit"),
+          "host prompt cache grows until an OOM-killer stand-in SIGKILLs it"),
     Fault("model_missing", "a new model will not run", "model", "model file deleted before start"),
     Fault("model_corrupt", "a new model will not run", "model", "model file truncated"),
     Fault("context_overflow", "long sessions fail with HTTP 400", "context", "prompt > per-slot window"),
@@ -306,6 +306,7 @@ class FaultRun:
     doctor_s: float
     total_s: float
     report: Any
+    notes: dict = field(default_factory=dict)     # what the fault itself recorded (sizes, readings)
 
     @property
     def correct(self) -> bool:
@@ -331,4 +332,4 @@ def run_fault(name: str, server: LlamaServer | None = None, *, seconds: float = 
     with inject(name, server, seconds=seconds) as f:
         report = f.doctor(timeout_s=timeout_s)
     return FaultRun(name, f.symptom, f.fault.layer, report.layer, f.client_error, report.seconds,
-                    time.perf_counter() - t0, report)
+                    time.perf_counter() - t0, report, dict(f.notes or {}))

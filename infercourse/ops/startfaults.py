@@ -87,47 +87,55 @@ def memory_limited(f, server, seconds: float):
 
 
 @contextlib.contextmanager
-def memory_growth(f, server, seconds: float, *, prompts: int = 24, tokens: int = 600, room: int = 4):
-    """A server that starts, serves, and dies of memory *after a run*: llama-server's host
-    prompt cache (`--cache-ram`, 8 GiB by default) copies each replaced prompt's KV into
-    RAM, and an address-space limit (RLIMIT_AS) leaves room for only `room` of them.
+def memory_growth(f, server, seconds: float, *, prompts: int = 8, tokens: int = 96, room: int = 3):
+    """A server that starts, serves a run, and is killed for its memory *after* it: the host
+    prompt cache (`--cache-ram`, 8 GiB by default) copies each replaced prompt's KV into RAM,
+    so RSS grows with every new prompt. The kernel's OOM killer (or a container's memory
+    limit) is stood in for by one SIGKILL once RSS has grown by `room` prompts' KV over its
+    level after the first answer. llama-server itself never crashes here: when an allocation
+    for its cache fails it evicts the oldest entry, which is why the limit is outside it.
 
     Args:
-        f: the `Injected` record to fill.
-        server: unused (the fault starts its own server, calibrated on a twin).
-        seconds: unused (the fault is over when the server has died or `prompts` were sent).
+        f: the `Injected` record to fill (notes: RSS before/at the kill, answers served).
+        server: unused (the fault starts its own server).
+        seconds: unused (the fault is over when the server has been killed).
         prompts, tokens: distinct prompts sent one after another, each `tokens` long.
-        room: saved prompts the limit leaves room for, beyond the server's own address space.
+        room: cached prompts the stand-in limit allows beyond the first answer's RSS.
     """
-    if not sys.platform.startswith("linux"):
-        raise HardwareLayerError("RLIMIT_AS is only enforced on Linux", hint="this fault is skipped here")
-    import psutil
+    import os
+    import signal
 
     from infercourse.core.types import Request, generate
     from infercourse.measure.workloads import exact_length_prompt
     from infercourse.models.embedded import vocab_tokenizer
     from infercourse.models.modelcard import model_card
-    kw = {"threads": 1, "n_parallel": 1, "ctx_size": 2 * tokens, "extra_args": ["--cache-ram", "8192"],
-          "startup_timeout_s": 60}
-    twin = LlamaServer(**kw).start()      # its address space once it has answered one request
-    try:
-        generate(twin.engine(timeout=60), Request(prompt="Say hello.", max_tokens=2))
-        base = psutil.Process(twin.pid).memory_info().vms
-    finally:
-        twin.stop()
-    step = tokens * model_card(None).kv_bytes_per_token(2)
-    srv = _Limited(base + room * step + (32 << 20), **kw)
-    f.notes = {"limit_bytes": srv.limit_bytes, "calibrated_vms_bytes": base, "step_bytes": step, "answered": 0}
+    from infercourse.ops.sampling import process_rss_mib
     tok = vocab_tokenizer(None)
+    step = tokens * model_card(None).kv_bytes_per_token(2) / 2**20
+    srv = LlamaServer(threads=1, n_parallel=1, ctx_size=4 * tokens, extra_args=["--cache-ram", "8192"],
+                      startup_timeout_s=60)
+    f.notes = {"step_mib": step, "answered": 0}
     try:
         srv.start()
         engine = srv.engine(timeout=60)
         for i in range(prompts):
             try:
                 generate(engine, Request(prompt=exact_length_prompt(tokens, tok, seed=500 + i), max_tokens=1))
-                f.notes["answered"] += 1
             except InferCourseError as e:
                 f.saw(e)
+                break
+            f.notes["answered"] += 1
+            rss = process_rss_mib(srv.pid)
+            f.notes.setdefault("rss_first_mib", rss)
+            if rss > f.notes["rss_first_mib"] + room * step:    # the OOM killer's moment
+                f.notes.update(rss_killed_mib=rss, limit_mib=f.notes["rss_first_mib"] + room * step)
+                os.kill(srv.pid, signal.SIGKILL)
+                with contextlib.suppress(Exception):
+                    srv.proc.wait(10)
+                try:        # the next user request after the kill: what the client sees
+                    generate(engine, Request(prompt="Say hello.", max_tokens=2))
+                except InferCourseError as e:
+                    f.saw(e)
                 break
         engine.close()
         f.url, f.server = srv.url, srv
