@@ -136,3 +136,33 @@ def test_cb_compare_runs_both_settings(tmp_path):
     t = cc.cb_compare(cc.staggered(wl), 2, requests=2, threads=1, ctx_per_slot=128, out_dir=tmp_path)
     assert list(t["flag"]) == ["-cb", "-nocb"] and (t["error_rate"] == 0).all()
     assert (tmp_path / "nocb" / "manifest.json").exists()
+
+
+def test_np_sweep_and_cb_compare_repeat_with_an_aa_arm(monkeypatch):
+    """The sweep's bookkeeping on a stand-in server (no llama-server): every level and the
+    A/A rerun run `repeats` times, the A/A rerun leaves no row, and the verdicts exist."""
+    import contextlib
+
+    from infercourse.core.types import Request
+    from infercourse.engines.openai_http import OpenAIHTTPEngine
+    from infercourse.measure.workloads import Workload
+    from infercourse.testing import SSESource
+    started = []
+
+    @contextlib.contextmanager
+    def stand_in(model, n, ctx, threads, extra):
+        started.append((n, tuple(extra)))
+        with SSESource() as src:
+            yield types.SimpleNamespace(url=src.url, describe=lambda: {"argv": ["stand-in", "-np", str(n)]},
+                                        engine=lambda api="completions": OpenAIHTTPEngine(src.url, api=api))
+    monkeypatch.setattr(cc, "_server", stand_in)
+    wl = Workload("w", tuple(Request(prompt=f"p{i} x", max_tokens=4) for i in range(4)))
+    table, runs = cc.np_sweep(wl, [1, 2], requests_per_level=2, repeats=2)
+    assert sorted(n for n, _ in started) == [1, 1, 1, 1, 2, 2] and len(runs) == 4
+    assert list(table.index) == [1, 2] and table.loc[1, "verdict"] == "reference"
+    assert table.loc[2, "verdict"] in {"within noise", "np2 more tok/s", "np1 more tok/s"}
+    assert "A/A" in table.attrs["noise_floor_text"] and "L_server" in table
+    started.clear()
+    cb = cc.cb_compare(wl, 2, requests=2, repeats=2)
+    assert [e for _, e in started].count(("-cb",)) == 4 and list(cb["flag"]) == ["-cb", "-nocb"]
+    assert cb.attrs["verdict"].startswith("TTFT p95: ")
