@@ -67,3 +67,15 @@ def test_ram_cache_restores_an_evicted_prefix():
 def test_quantized_kv_costs_little_quality():
     f16, q8 = mem.kv_type_nll(None, "f16", n_threads=1), mem.kv_type_nll(None, "q8_0", n_threads=1)
     assert 0 < f16 < 10 and abs(q8 - f16) < 0.05
+
+
+def test_decode_speeds_are_judged_against_the_reference_rerun():
+    from infercourse.lessons.memory import _judged
+    speeds = {"f16": [100, 102, 98, 101, 99, 100], "q4_0": [60, 61, 59, 60, 62, 58],
+              "q8_0": [99, 101, 100, 100, 98, 102], "A/A": [97, 103, 100, 99, 101, 100]}
+    rows, floor = _judged(speeds, "f16", "A/A")
+    assert "A/A" not in rows and rows["f16"]["verdict"] == "reference" and floor.floor > 0.01
+    assert rows["q4_0"]["verdict"] == "f16 faster" and rows["q4_0"]["vs_f16"] == pytest.approx(0.6, abs=0.02)
+    assert rows["q8_0"]["verdict"] == "within noise"
+    one, none = _judged({"f16": [100.0], "q8_0": [90.0]}, "f16", "A/A")
+    assert none is None and one["q8_0"]["verdict"] == "1 run: not judged"

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from infercourse.core.types import Request, generate
-from infercourse.measure import roofline
+from infercourse.measure import noise, roofline
 from infercourse.measure.workloads import eval_text, exact_length_prompt
 from infercourse.models.embedded import resolve_model, vocab_tokenizer
 from infercourse.ops.sampling import process_rss_mib
@@ -131,53 +131,92 @@ def kv_type_nll(model=None, kv_type: str = "f16", *, text: str | None = None, n_
     return float(np.mean(logz - logits[np.arange(len(ids) - 1), ids[1:]]))
 
 
+def _judged(speeds: dict[str, list[float]], ref: str, aa: str) -> tuple[dict, "noise.NoiseFloor | None"]:
+    """Each arm's median, its paired ratio to `ref` and a verdict against the A/A floor."""
+    floor = noise.noise_floor(speeds[ref], speeds[aa]) if aa in speeds and len(speeds[ref]) > 1 else None
+    out = {}
+    for arm, v in speeds.items():
+        if arm == aa:
+            continue
+        iv = noise.paired_interval(speeds[ref], v)
+        verdict = "reference" if arm == ref else noise.compare(
+            speeds[ref], v, floor, higher_is_better=True, labels=(ref, arm)).verdict if floor else "1 run: not judged"
+        out[arm] = {"decode_tok_per_s": float(np.median(v)), f"vs_{ref}": iv.median, f"vs_{ref}_lo": iv.lo,
+                    f"vs_{ref}_hi": iv.hi, "verdict": verdict}
+    return out, floor
+
+
 def decode_vs_context(engine, tokenize, contexts: Sequence[int], *, max_tokens: int = 32, card=None,
-                      bandwidth_gbs: float | None = None) -> pd.DataFrame:
+                      bandwidth_gbs: float | None = None, repeats: int = 1) -> pd.DataFrame:
     """Decode speed (the server's own `predicted_per_second`) after prompts of each length,
     beside the bandwidth ceiling at that context when a card and bandwidth are given.
+    With repeats >= 2 the lengths run interleaved (rotating), the shortest twice per round
+    (its A/A floor), and each row says whether it is slower than the shortest beyond noise.
 
     Args:
         engine: an HTTP engine on llama-server (api="completions"); tokenize: text -> ids.
-        contexts: prompt lengths in tokens.
+        contexts: prompt lengths in tokens (shortest first).
+        repeats: requests per length.
     """
+    from infercourse.core.trace import record
+    prompts = {f"{n} tokens": exact_length_prompt(n, tokenize, seed=100 + i) for i, n in enumerate(contexts)}
+
+    def one(n: int):
+        return lambda: record(engine, Request(prompt=prompts[f"{n} tokens"], max_tokens=max_tokens, ignore_eos=True,
+                                              cache_prompt=False)).engine_timings.get("predicted_per_second")
+    ref = f"{contexts[0]} tokens"
+    arms = {f"{n} tokens": one(n) for n in contexts} | ({"A/A": one(contexts[0])} if repeats > 1 else {})
+    speeds = noise.run_interleaved(arms, repeats, pattern="rotate", warmup=0)
+    judged, floor = _judged(speeds, ref, "A/A")
     rows = []
-    for i, n in enumerate(contexts):
-        from infercourse.core.trace import record
-        tr = record(engine, Request(prompt=exact_length_prompt(n, tokenize, seed=100 + i), max_tokens=max_tokens,
-                                    ignore_eos=True, cache_prompt=False))
-        row = {"context": n, "decode_tok_per_s": tr.engine_timings.get("predicted_per_second"),
-               "prefill_tok_per_s": tr.engine_timings.get("prompt_per_second")}
+    for n in contexts:
+        row = {"context": n, **judged[f"{n} tokens"]}
         if card is not None and bandwidth_gbs:
             row["ceiling_tok_per_s"] = roofline.decode_ceiling_tok_per_s(bandwidth_gbs, card, n + max_tokens // 2)
         rows.append(row)
-    return pd.DataFrame(rows).set_index("context")
+    out = pd.DataFrame(rows).set_index("context")
+    out.attrs["noise_floor_text"] = floor.text() if floor else "repeats = 1: no A/A floor"
+    return out
 
 
 def kv_type_table(model=None, kv_types: Sequence[str] = ("f16", "q8_0", "q4_0"), *, ctx_size: int = 4096,
-                  prompt_tokens: int = 1024, max_tokens: int = 32, threads: int | None = None) -> pd.DataFrame:
+                  prompt_tokens: int = 1024, max_tokens: int = 32, threads: int | None = None,
+                  repeats: int = 1) -> pd.DataFrame:
     """For each KV-cache type: the KV buffer llama-server allocates (from its log), its RSS,
     decode speed after a `prompt_tokens` prompt (server timings), and the mean NLL of the
-    eval text with that cache type (quality; lower is better).
+    eval text with that cache type (quality; lower is better). The servers run side by side
+    and the timed requests interleave (rotating), the first type twice per round for its
+    A/A floor: `vs_<first>` (median paired ratio), its interval and `verdict`.
 
     Args:
         model: a GGUF (None: embedded); kv_types: llama.cpp cache types for both K and V.
         ctx_size: server context; prompt_tokens, max_tokens: the timed request.
+        repeats: timed requests per type.
     """
+    import contextlib
     tok = vocab_tokenizer(model)
     prompt = exact_length_prompt(prompt_tokens, tok, seed=21)
-    rows = []
-    for t in kv_types:
-        with _llama(model, ctx_size, 1, threads, ["-fa", "on", "-ctk", t, "-ctv", t]) as srv:
+    rows = {}
+    with contextlib.ExitStack() as stack:
+        srvs = {t: stack.enter_context(_llama(model, ctx_size, 1, threads, ["-fa", "on", "-ctk", t, "-ctv", t]))
+                for t in kv_types}
+        for t, srv in srvs.items():
             done = _complete(srv.url, "Hello", 4, cache_prompt=False)     # warm-up: touch the buffers
-            timings = httpx.post(srv.url + "/completion", json={"prompt": prompt, "n_predict": max_tokens,
-                                 "ignore_eos": True, "cache_prompt": False}, timeout=300).json()["timings"]
-            rows.append({"kv_type": t, "bytes_per_element": KV_TYPE_BYTES[t], "rss_mib": process_rss_mib(srv.pid),
-                         **log_buffers(srv.log_path.read_text(errors="replace")),
-                         "decode_tok_per_s": timings.get("predicted_per_second"),
-                         "prefill_tok_per_s": timings.get("prompt_per_second"), "error": done.get("error")})
-        rows[-1]["nll"] = kv_type_nll(model, t, n_threads=threads or 2)
-    out = pd.DataFrame(rows).set_index("kv_type")
+            rows[t] = {"kv_type": t, "bytes_per_element": KV_TYPE_BYTES[t], "rss_mib": process_rss_mib(srv.pid),
+                       **log_buffers(srv.log_path.read_text(errors="replace")), "error": done.get("error")}
+
+        def one(t: str):
+            return lambda: httpx.post(srvs[t].url + "/completion", json={
+                "prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "cache_prompt": False},
+                timeout=300).json()["timings"].get("predicted_per_second")
+        arms = {t: one(t) for t in kv_types} | ({"A/A": one(kv_types[0])} if repeats > 1 else {})
+        speeds = noise.run_interleaved(arms, repeats, pattern="rotate", warmup=0)
+    judged, floor = _judged(speeds, kv_types[0], "A/A")
+    for t in kv_types:
+        rows[t].update(judged[t], nll=kv_type_nll(model, t, n_threads=threads or 2))
+    out = pd.DataFrame(list(rows.values())).set_index("kv_type")
     out["nll_vs_f16"] = out["nll"] - out["nll"].iloc[0]
+    out.attrs["noise_floor_text"] = floor.text() if floor else "repeats = 1: no A/A floor"
     return out
 
 
