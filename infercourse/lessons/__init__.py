@@ -18,6 +18,7 @@ A concept two notebooks share gets its own module (e.g. `draft_verify`, used by 
 | `fair`             | 12 a fair benchmark                                  |
 | `tuning`, `classic_problems` | 13 tuning                                  |
 | `stability`        | 14 stability (soak)                                  |
+| `capacity`         | 19 capacity planning and routing                     |
 | `troubleshooting`  | 15 layered troubleshooting                           |
 | `symptoms`         | 16 the symptom lab                                   |
 | `capstone`         | 17 the capstone incident                             |

@@ -31,6 +31,7 @@ import asyncio
 import datetime as _dt
 import json
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -331,6 +332,9 @@ def sessions_summary(df: pd.DataFrame, slos: Mapping[str, float] | None = None) 
            **{k: v for k, v in _agg(df).items() if k.startswith("ttft")},
            "turns_per_s": throughput(df)["requests_per_s"] if len(df) else float("nan")}
     if slos:   # and over later turns: an agent's steady state, once its prefix is cached
-        out["good_fraction"] = goodput(df, slos)["good_fraction"]
-        out["good_fraction_later"] = goodput(df[df["turn"] > 0], slos)["good_fraction"] if len(later) else float("nan")
+        with warnings.catch_warnings():   # "no request met the SLO" is this row's 0, not news
+            warnings.simplefilter("ignore")
+            out["good_fraction"] = goodput(df, slos)["good_fraction"]
+            out["good_fraction_later"] = goodput(df[df["turn"] > 0], slos)["good_fraction"] if len(later) \
+                else float("nan")
     return out
