@@ -18,7 +18,8 @@ What gets sampled:
 - GPU memory, utilisation and power when an NVIDIA GPU is present (`hardware.gpu_stats`).
 
 An endpoint a server does not serve is skipped: an Ollama or a router answers 404 on
-`/slots`, and the row says only what was there. `ops.sampling` (the soak) builds on this.
+`/slots`, and the row says only what was there. The soak (`ops.soak`, `ops.sampling`) samples
+with the same `ServerSampler`.
 """
 from __future__ import annotations
 
@@ -156,19 +157,25 @@ class ServerSampler:
             self.on_sample(row)
         return row
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+    def _loop(self, wait_first: bool) -> None:
+        if wait_first and self._stop.wait(self.interval_s):
+            return
+        while not self._stop.is_set():
+            t = time.perf_counter()
             try:
                 self.sample()
             except Exception as e:  # noqa: BLE001 - a sampler must never take the run down
-                self.rows.append({"t_s": time.perf_counter() - self.t0, "sampler_error": repr(e)})
+                self.rows.append({"t_s": t - self.t0, "sampler_error": repr(e)})
+            self._stop.wait(max(0.0, self.interval_s - (time.perf_counter() - t)))   # a steady rate
 
     def start(self, first_sample: bool = False) -> "ServerSampler":
-        """Start sampling every interval_s; `first_sample`: take one now, first (a run's
-        start: the counters' baseline, after any warm-up)."""
+        """Sample now and every interval_s after, in a thread. `first_sample`: take the
+        first one on this thread before returning (a run's start: the counters' baseline,
+        after any warm-up, is on disk before the first request goes out)."""
         if first_sample:
             self.sample()
-        self._thread = threading.Thread(target=self._loop, name="infercourse-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(first_sample,), name="infercourse-sampler",
+                                        daemon=True)
         self._thread.start()
         return self
 

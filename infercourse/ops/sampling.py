@@ -5,7 +5,8 @@ A soak (notebook 14) needs both, because the failures of long runs are slow: res
 memory that creeps up a few MiB an hour until the OOM killer strikes on day three, a
 queue that grows because a slot leaks, a KV cache that fills as agent contexts grow.
 
-`ServerSampler` wakes every `interval_s` and appends one row to `samples.jsonl`
+`ServerSampler` (from `measure.server_samples`, which bench uses for every run) wakes every
+`interval_s` and appends one row to `samples.jsonl`
 (flushed and fsynced, so a crash keeps every sample taken):
 
 - `rss_mib`: resident memory of the server process and its children (psutil; vLLM forks
@@ -22,162 +23,19 @@ memory-leak claim needs; `soak_summary` puts it beside the requests' and restart
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import threading
-import time
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import httpx
 import numpy as np
-import psutil
-
 import pandas as pd
 
 from infercourse.core import summary
-from infercourse.measure.hardware import gpu_stats
+# the sampler itself lives in measure (bench samples every run with it); re-exported here
+from infercourse.measure.server_samples import (SAMPLES, ServerSampler, load_samples, process_rss_mib,
+                                                prometheus_values, slots_usage)
 
 __all__ = ["headline", "prometheus_values", "slots_usage", "process_rss_mib", "ServerSampler", "drift",
-           "load_samples", "soak_summary"]
-
-SAMPLES = "samples.jsonl"
-# Gauges and counters worth a column (llama-server `--metrics`, vLLM); others are ignored.
-_KEEP = ("llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:prompt_tokens_total",
-         "llamacpp:prompt_tokens_cached_total", "llamacpp:tokens_predicted_total", "llamacpp:n_decode_total",
-         "llamacpp:n_tokens_max", "llamacpp:n_busy_slots_per_decode",
-         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-         "vllm:gpu_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
-
-
-def prometheus_values(text: str, keep: tuple[str, ...] = _KEEP) -> dict[str, float]:
-    """Sample values of a Prometheus text exposition, summed over labels, by sample name
-    (counters keep their `_total` suffix). Only names in `keep` are returned.
-
-    Args:
-        text: what `/metrics` answered.
-        keep: sample names to return.
-    """
-    from prometheus_client.parser import text_string_to_metric_families
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in keep:
-                out[s.name] = out.get(s.name, 0.0) + float(s.value)
-    return out
-
-
-def slots_usage(slots: list[dict[str, Any]]) -> dict[str, float]:
-    """KV-cache tokens held by llama-server's slots (its `/slots` answer): prompt plus
-    generated tokens of each slot's current or last task, over the slots' total context.
-    An idle slot keeps its last prompt cached, so it counts as held."""
-    n_ctx = sum(int(s.get("n_ctx", 0)) for s in slots)
-    used = 0
-    for s in slots:
-        nxt = (s.get("next_token") or [{}])[0]
-        used += int(s.get("n_prompt_tokens", 0)) + int(nxt.get("n_decoded", 0))
-    busy = sum(bool(s.get("is_processing")) for s in slots)
-    return {"kv_used_tokens": used, "kv_ctx_tokens": n_ctx,
-            "kv_used_frac": used / n_ctx if n_ctx else math.nan, "slots_busy": busy}
-
-
-def process_rss_mib(pid: int | None) -> float:
-    """Resident memory (MiB) of a process and all its descendants; NaN if it is gone."""
-    if not pid:
-        return math.nan
-    try:
-        p = psutil.Process(pid)
-        procs = [p, *p.children(recursive=True)]
-        return sum(q.memory_info().rss for q in procs if q.is_running()) / 2**20
-    except psutil.Error:
-        return math.nan
-
-
-class ServerSampler:
-    """Sample a server every `interval_s` in a background thread, into `samples.jsonl`.
-
-    Args:
-        url: the server root (its /health, /metrics and /slots are read).
-        pid: a callable returning the server's current pid (it changes on a restart).
-        out: the folder `samples.jsonl` is appended to.
-        interval_s: seconds between samples.
-        on_sample: called with each row (e.g. to update a live status line).
-        gpu: also sample NVIDIA GPUs (`hardware.gpu_stats`).
-    """
-
-    def __init__(self, url: str, pid: Callable[[], int | None], out: str | os.PathLike, *,
-                 interval_s: float = 1.0, on_sample: Callable[[dict], None] | None = None,
-                 gpu: bool = True):
-        self.url, self.pid, self.interval_s, self.on_sample = url.rstrip("/"), pid, interval_s, on_sample
-        self.path = Path(out) / SAMPLES
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.gpu, self.rows, self.t0 = gpu, [], time.perf_counter()
-        self._stop, self._thread = threading.Event(), None
-        self._client = httpx.Client(timeout=max(1.0, interval_s))
-
-    def sample(self) -> dict[str, Any]:
-        """Take one sample now and append it to disk."""
-        row: dict[str, Any] = {"t_s": time.perf_counter() - self.t0, "time": time.time()}
-        pid = self.pid()
-        row.update(pid=pid, rss_mib=process_rss_mib(pid))
-        try:
-            row["up"] = self._client.get(self.url + "/health").status_code == 200
-            m = self._client.get(self.url + "/metrics")
-            if m.status_code == 200:
-                row.update(prometheus_values(m.text))
-            s = self._client.get(self.url + "/slots")
-            if s.status_code == 200 and isinstance(s.json(), list):
-                row.update(slots_usage(s.json()))
-        except (httpx.HTTPError, ValueError):
-            row["up"] = False
-        if "vllm:kv_cache_usage_perc" in row:
-            row["kv_used_frac"] = row["vllm:kv_cache_usage_perc"]
-        if self.gpu:
-            for g in gpu_stats():
-                for k in ("memory_used_mib", "utilization_pct", "power_w"):
-                    row[f"gpu{g['index']}_{k}"] = g.get(k)
-        self.rows.append(row)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if self.on_sample:
-            self.on_sample(row)
-        return row
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            t = time.perf_counter()
-            try:
-                self.sample()
-            except Exception as e:  # noqa: BLE001 - a sampler must never take the soak down
-                self.rows.append({"t_s": t - self.t0, "sampler_error": repr(e)})
-            self._stop.wait(max(0.0, self.interval_s - (time.perf_counter() - t)))
-
-    def start(self) -> "ServerSampler":
-        self._thread = threading.Thread(target=self._loop, name="infercourse-sampler", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10 + self.interval_s)
-        self._client.close()
-
-
-def load_samples(directory: str | os.PathLike):
-    """A soak folder's samples as a DataFrame (one row per sample; incomplete lines skipped)."""
-    import pandas as pd
-    rows = []
-    path = Path(directory) / SAMPLES
-    for line in (path.read_text(encoding="utf-8").splitlines() if path.exists() else []):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return pd.DataFrame(rows)
+           "load_samples", "soak_summary", "SAMPLES"]
 
 
 def drift(t_s, y, *, ci: float = 0.95, n_boot: int = 1000, seed: int = 0,
