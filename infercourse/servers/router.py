@@ -19,7 +19,9 @@ wheels, pure-Python deps fastapi/uvicorn/aiohttp/orjson):
   Its multi-model mode (`--enable-igw`) panics offline (it downloads a tokenizer vocab at
   start), and in the regular mode it does not route by model name.
 - **vllm-router** (`python -m vllm_router.launch_router`) accepts them too; it adds
-  `consistent_hash` (on a session id) and `kv_aware`. Kept as the second choice.
+  `consistent_hash` (on a session id) and `kv_aware`. Kept as the second choice. It does not
+  route by model name either: two workers serving models "A" and "B" got requests for
+  "A" and "B" alternately under round-robin, and its /v1/models listed only "A".
 Both start a Prometheus exporter on a fixed port unless told otherwise, on 0.0.0.0 for
 sglang-router: `Router` gives it a free port on 127.0.0.1.
 
