@@ -98,7 +98,7 @@ def plot_throughput_latency(table: pd.DataFrame, *, latency: str = "ttft_s_p95",
     for lvl, x, y in zip(table.index, table["output_tok_per_s"], table[latency]):
         ax.annotate(f"{lvl}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if slo_s:
-        ax.axhline(slo_s, color="tab:red", ls="--", lw=1, label=f"SLO {latency} ≤ {slo_s:g} s")
+        ax.axhline(slo_s, color="tab:red", ls="--", lw=1, label=f"SLO {latency.split('_s_')[0]} ≤ {slo_s:.3g} s")
     top = float(np.nanmax(table["output_tok_per_s"]))
     if ceiling_tok_per_s and ceiling_tok_per_s <= 3 * top:   # on the axis only if near the data
         ax.axvline(ceiling_tok_per_s, color="grey", ls=":", lw=1, label="compute ceiling")
