@@ -66,9 +66,11 @@ def check_load_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.dataset is not None:   # every bad line, by number, before anything is sent
         from infercourse.measure.datasets import DatasetError, load_dataset
         try:
-            load_dataset(a.dataset)
+            rows = load_dataset(a.dataset)
         except DatasetError as e:
             p.error(f"--dataset {e.message}")
+        if a.pattern == "replay" and "offset_s" not in rows[0]:
+            p.error(f"--pattern replay: {a.dataset} has no offset_s on its lines (nothing to replay)")
     if a.think_scale < 0:
         p.error(f"--think-scale must be >= 0, got {a.think_scale}")
 

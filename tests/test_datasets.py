@@ -104,3 +104,18 @@ def test_cli_dataset_usage_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_main(["--sessions", "2"])          # sessions need a server
     assert "need a server" in capsys.readouterr().err
+
+
+def test_cli_replays_a_datasets_offsets(tmp_path, capsys):
+    from infercourse.cli import bench_main
+    from infercourse.testing import SSESource
+    timed = _write(tmp_path, [{"prompt": f"q{i}", "max_tokens": 3, "offset_s": 0.2 * i} for i in range(3)], "t.jsonl")
+    untimed = _write(tmp_path, [{"prompt": "q", "max_tokens": 3}], "u.jsonl")
+    with SSESource(ttft_s=0.0, gap_s=0.001) as src:
+        base = ["--engine", "http", "--url", src.url, "--pattern", "replay", "--warmup", "0", "--no-progress"]
+        with pytest.raises(SystemExit):
+            bench_main([*base, "--dataset", str(untimed)])
+        assert "no offset_s" in capsys.readouterr().err
+        assert bench_main([*base, "--dataset", str(timed), "--out", str(tmp_path / "run")]) == 0
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["load"]["pattern"] == "replay" and manifest["workload"]["n_requests"] == 3
