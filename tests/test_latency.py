@@ -141,3 +141,13 @@ def test_clock_verdicts_catch_coordinated_omission():
     assert v.loc["TTFT from the scheduled send", "verdict"] == "overload slower"
     assert v.loc["TTFT from the actual send", "verdict"] == "within noise"
     assert "A/A" in v.attrs["noise_floor_text"]
+
+
+def test_pooled_tail_note_says_which_interval_to_trust():
+    import numpy as np
+    rng = np.random.default_rng(0)
+    bursty = [trace(i, 0.0, 0.0, 0.1, list(rng.uniform(0.009, 0.011, 40) * (5 if i % 5 == 0 else 1)))
+              for i in range(10)]
+    assert "trust the block interval" in lesson.pooled_tail_note(metrics.itl_frame(bursty))
+    few = metrics.itl_frame(bursty[:3])
+    assert "too few for a p99 interval" in lesson.pooled_tail_note(few) and "(3)" in lesson.pooled_tail_note(few)
