@@ -149,19 +149,26 @@ def slot_view(url: str) -> dict[str, Any]:
 
 
 def first_overflow(engine, workload) -> dict[str, Any]:
-    """Send calls until one fails: at which call, how many prompt tokens it needed
-    (`count_tokens`), what error the agent received and which layer it names."""
-    for i, req in enumerate(workload.requests):
-        n = engine.count_tokens(req)
-        try:
-            list(engine.stream(req))
-        except InferCourseError as e:
-            return {"call": i, "prompt_tokens": n, "layer": e.layer, "error": e.message[:160]}
-    return {"call": None, "prompt_tokens": None, "layer": None, "error": "every call fit"}
+    """The first call of the session that no longer fits the server's window, sent as the
+    agent would send it: which call, its prompt tokens (`count_tokens`) against the slot's
+    real context (`/slots` n_ctx: llama-server rounds `-c` up), and the error the agent
+    receives with the layer it names. The calls before it fit by count and are not sent."""
+    n_ctx = slot_view(engine.root).get("n_ctx")
+    need = [engine.count_tokens(r) for r in workload.requests]
+    k = next((i for i, n in enumerate(need) if n_ctx is not None and n > n_ctx), None)
+    out = {"slot n_ctx": n_ctx, "call": k, "prompt_tokens": None if k is None else need[k],
+           "last_fitting_call": (len(need) if k is None else k) - 1}
+    if k is None:
+        return {**out, "layer": None, "error": "every call fit"}
+    try:
+        list(engine.stream(workload.requests[k]))
+        return {**out, "layer": None, "error": "the server answered anyway"}
+    except InferCourseError as e:
+        return {**out, "layer": e.layer, "error": e.message[:160]}
 
 
 def ask_more_than_fits(engine, request, n_ctx: int) -> dict[str, Any]:
-    """One call whose max_tokens exceeds what the window has left after its prompt."""
+    """One call whose max_tokens is the whole window, more than what is left after its prompt."""
     n = engine.count_tokens(request)
     tr = record(engine, replace(request, max_tokens=n_ctx))
     return {"prompt_tokens": n, "max_tokens": n_ctx, "left_in_window": n_ctx - n, "status": tr.status,
