@@ -40,6 +40,7 @@ __all__ = ["HIDDEN", "REPORT_TEMPLATE", "Route", "routes", "replay", "summarize"
 
 # Faults a route can suffer while the session runs, and still be undone at once.
 HIDDEN = ("latency", "slow_first_byte", "cut", "reset", "5xx", "overloaded", "killed")
+MAX_DELAY_S = 8.0     # the largest delay fault (see run_incident)
 REPORT_TEMPLATE = {"route": None, "symptom": None, "layer": None, "evidence": None, "fix": None}
 
 
@@ -214,7 +215,8 @@ def run_incident(rs: list[Route], seed: int, n_calls: int, max_tokens: int, out_
         n_calls, max_tokens: the replay's size.
         out_dir: where the runs are saved.
         baseline: the baseline replay; a delay fault then lasts `scale` x the faulted route's
-            median end-to-end time there (a fixed 2 s hides under a slow route's own 5 s).
+            median end-to-end time there (a fixed 2 s hides under a slow route's own 5 s), at
+            most `MAX_DELAY_S`.
         scale: the delay as a multiple of that baseline median.
     """
     live = [r for r in rs if not r.skipped]
@@ -224,7 +226,8 @@ def run_incident(rs: list[Route], seed: int, n_calls: int, max_tokens: int, out_
     delay = None
     if fault in ("latency", "slow_first_byte") and baseline is not None:
         base_e2e = baseline.loc[(baseline["route"] == target.key) & (baseline["status"] == "ok"), "e2e_s"].median()
-        delay = float(scale * base_e2e) if base_e2e == base_e2e else None   # NaN: the default size
+        # capped: a client's model lookup and the lab's probe wait 10 s for the delayed proxy
+        delay = float(min(scale * base_e2e, MAX_DELAY_S)) if base_e2e == base_e2e else None   # NaN: default size
     inc.delay_s = delay
     longest = "\n".join(m["content"] for m in _calls(n_calls, max_tokens).requests[-1].messages)
     for r in live:
@@ -234,7 +237,8 @@ def run_incident(rs: list[Route], seed: int, n_calls: int, max_tokens: int, out_
             # the on-call snapshot first, while the fault is surely in place; then the session
             inc.snapshots[r.key] = (doctor_layers(url, server=r.server, prompt=longest, max_tokens=max_tokens,
                                                   timeout_s=3) if url else doctor_engine(r.engine))
-            engine = type(r.engine)(url, timeout=30) if f is not None else None
+            # the model name from the direct route: a lookup through a delaying proxy would time out
+            engine = type(r.engine)(url, model=r.engine.model, timeout=30) if f is not None else None
             frames.append(replay(r, n_calls, max_tokens, Path(out_dir) / "incident", engine=engine))
     inc.df = pd.concat(frames, ignore_index=True)
     return inc
