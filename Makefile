@@ -60,7 +60,7 @@ course: $(STAMP)
 test: $(STAMP)
 	@# the package's layers (contracts in pyproject.toml), then the suite
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs --durations=25
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=notebooks

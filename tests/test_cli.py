@@ -86,7 +86,7 @@ def test_prompt_tokens_counted_by_the_servers_tokenize(source, tmp_path, sent_bo
 
 
 def test_prompt_tokens_with_a_tokenizer_file(source, tmp_path, sent_bodies):
-    from infercourse.cli import _file_tokenizer
+    from infercourse.cli_workload import file_tokenizer as _file_tokenizer
     from infercourse.models.embedded import embedded_gguf
     gguf = embedded_gguf()
     assert bench_main(common(source.url, tmp_path / "a", "--api", "completions", "--prompt-tokens", "24",
