@@ -1,4 +1,5 @@
 """Notebook 10's library: batching ceilings, Little's law, the knee, goodput; a real -np sweep."""
+import json
 import types
 
 import numpy as np
@@ -135,7 +136,11 @@ def test_cb_compare_runs_both_settings(tmp_path):
     wl = cc.fixed_workload(32, 8, 2)
     t = cc.cb_compare(cc.staggered(wl), 2, requests=2, threads=1, ctx_per_slot=128, out_dir=tmp_path)
     assert list(t["flag"]) == ["-cb", "-nocb"] and (t["error_rate"] == 0).all()
-    assert (tmp_path / "nocb" / "manifest.json").exists()
+    # each setting's run is saved under its arm's name (repeats=1: no -r<rep> suffix),
+    # with the server's own argv in its manifest: the flag really reached the server
+    for folder, flag in [("continuous_batching", "-cb"), ("no_continuous_batching", "-nocb")]:
+        manifest = json.loads((tmp_path / folder / "manifest.json").read_text())
+        assert flag in manifest["server"]["argv"]
 
 
 def test_np_sweep_and_cb_compare_repeat_with_an_aa_arm(monkeypatch):
