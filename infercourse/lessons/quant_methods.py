@@ -15,6 +15,11 @@ measures all of them the same way, on the same eval text and prompts:
   serve four at once is one *static batch* of 4; the GGUF rows run on llama-server with
   4 slots (*continuous batching*). The `batching` column says which.
 
+`rss_bytes` is resident memory: for HF rows, the growth of this process's RSS over the
+load and the runs (freed heap handed back to the OS first); for GGUF rows, llama-server's
+whole RSS (its runtime and 4 slots' KV cache included). `real_kernels` runs the speed
+columns on a Mac (MLX) or an NVIDIA GPU (vLLM FP8/GPTQ/AWQ), where those formats' kernels live.
+
 `bytes_speedup` is what the bytes predict (float32 weight bytes / this row's): where decode
 streams the weights from memory, a format with half the bytes should decode twice as
 fast. `decode_speedup` is what this CPU delivered. They part where a kernel dequantizes in
@@ -33,7 +38,7 @@ import numpy as np
 from infercourse.core.errors import ModelLayerError
 
 __all__ = ["score_hf", "score_gguf", "quality_row", "speed_hf", "speed_gguf", "measure_methods",
-           "real_kernels", "status_table"]
+           "real_kernels", "predicted_bytes", "status_table"]
 
 
 def _log_softmax_stats(logits: np.ndarray, ids: Sequence[int]):
@@ -101,25 +106,28 @@ def _requests(prompts, max_tokens):
                     cache_prompt=False) for p in prompts]
 
 
-def _one_at_a_time(engine, reqs) -> dict:
+def _one_at_a_time(engine, reqs, writer=None, fmt: str = "") -> dict:
     from infercourse.core import metrics
     from infercourse.core.trace import record
     from dataclasses import replace
     record(engine, replace(reqs[0], max_tokens=2), raise_errors=True)   # warm-up: page weights in
-    traces = [record(engine, r, request_id=i, raise_errors=True) for i, r in enumerate(reqs)]
+    traces = [record(engine, r, request_id=i, raise_errors=True, format=fmt) for i, r in enumerate(reqs)]
+    for t in traces if writer is not None else ():
+        writer.write(t)
     e2e = sum(metrics.e2e_s(t) for t in traces)
     return {"ttft_s": float(np.median([metrics.ttft_s(t) for t in traces])),
             "decode_tok_per_s": float(np.median([metrics.decode_tok_per_s(t) for t in traces])),
             "tput_1_tok_per_s": sum(metrics.output_tokens(t) for t in traces) / e2e}
 
 
-def speed_hf(engine, model, tok, prompts: Sequence[str], max_tokens: int, concurrency: int = 4) -> dict:
+def speed_hf(engine, model, tok, prompts: Sequence[str], max_tokens: int, concurrency: int = 4,
+             writer=None, fmt: str = "") -> dict:
     """TTFT, decode tok/s and throughput at 1 of a loaded HF model (swapped into one
     `TransformersEngine`, so every format runs the same generate loop), then output tok/s
     of one static batch of `concurrency` requests (left-padded, forced to `max_tokens`)."""
     import torch
     engine.model = model
-    row = _one_at_a_time(engine, _requests(prompts, max_tokens))
+    row = _one_at_a_time(engine, _requests(prompts, max_tokens), writer, fmt)
     chats = [tok.apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}],
                                      add_generation_prompt=True, tokenize=False) for i in range(concurrency)]
     tok.padding_side = "left"
@@ -135,23 +143,23 @@ def speed_hf(engine, model, tok, prompts: Sequence[str], max_tokens: int, concur
 
 
 def speed_gguf(path: str | Path, prompts: Sequence[str], max_tokens: int, n_threads: int = 1,
-               concurrency: int = 4) -> dict:
+               concurrency: int = 4, writer=None, fmt: str = "") -> dict:
     """The same measures for a GGUF on llama-server with `concurrency` slots: one request
     at a time, then `concurrency` in flight (continuous batching); server RSS after both."""
     from infercourse.servers import LlamaServer
     with LlamaServer(path, n_parallel=concurrency, ctx_size=concurrency * 512, threads=n_threads) as srv:
-        row = _served(srv, prompts, max_tokens, concurrency)
+        row = _served(srv, prompts, max_tokens, concurrency, writer, fmt)
     return {**row, "batching": f"continuous, {concurrency} slots (llama-server)"}
 
 
-def _served(srv, prompts, max_tokens: int, concurrency: int) -> dict:
+def _served(srv, prompts, max_tokens: int, concurrency: int, writer=None, fmt: str = "") -> dict:
     """Speed columns of a running server: one at a time, then `concurrency` in flight."""
     import psutil
 
     from infercourse.core.summary import throughput
     from infercourse.measure import bench
     engine = srv.engine()
-    row = _one_at_a_time(engine, _requests(prompts, max_tokens))
+    row = _one_at_a_time(engine, _requests(prompts, max_tokens), writer, fmt)
     reqs = _requests([prompts[i % len(prompts)] for i in range(concurrency)], max_tokens)
     res = bench.run(engine, reqs, pattern="concurrency", concurrency=concurrency, warmup=0,
                     progress=False, sample_s=None, label="quant_methods")
@@ -205,7 +213,7 @@ def real_kernels(profile_name: str, prompts: Sequence[str], *, max_tokens: int =
 
 def measure_methods(methods: Sequence[str], gguf_paths: dict[str, str | Path], *, eval_text: str,
                     calibration: str, prompts: Sequence[str], max_tokens: int = 16,
-                    n_threads: int = 1, concurrency: int = 4):
+                    n_threads: int = 1, concurrency: int = 4, writer=None):
     """One row per format: bytes, memory, quality vs float32, speed at 1 and `concurrency`.
 
     Args:
@@ -216,6 +224,7 @@ def measure_methods(methods: Sequence[str], gguf_paths: dict[str, str | Path], *
         prompts: user messages, decoded greedily for exactly `max_tokens` tokens.
         n_threads: torch and llama.cpp threads.
         concurrency: requests in flight for the second throughput column.
+        writer: optional `results.RunWriter`; the one-at-a-time request traces go to it.
     """
     import pandas as pd
 
@@ -237,7 +246,7 @@ def measure_methods(methods: Sequence[str], gguf_paths: dict[str, str | Path], *
         rows.append({"format": name, "family": info.library, "bits": info.bits, "calibrated": info.calibrated,
                      "weight_only": info.weight_only, "file_bytes": manifest(folder)["output_bytes"],
                      "weight_bytes": qf.weight_bytes(model), **quality_row(scored, ref),
-                     **speed_hf(engine, model, tok, prompts, max_tokens, concurrency),
+                     **speed_hf(engine, model, tok, prompts, max_tokens, concurrency, writer, name),
                      "rss_bytes": _rss() - rss0, "derive_s": manifest(folder)["seconds"]})
         engine.model = None
         del model
@@ -248,11 +257,36 @@ def measure_methods(methods: Sequence[str], gguf_paths: dict[str, str | Path], *
                      "calibrated": False, "weight_only": False, "file_bytes": Path(path).stat().st_size,
                      "weight_bytes": card.tensor_bytes,
                      **quality_row(score_gguf(path, eval_text, n_threads), ref),
-                     **speed_gguf(path, prompts, max_tokens, n_threads, concurrency)})
+                     **speed_gguf(path, prompts, max_tokens, n_threads, concurrency, writer, f"gguf {name}")})
     df = pd.DataFrame(rows)
     base = df.set_index("format").loc["fp32"]
     df["bytes_speedup"] = base.weight_bytes / df.weight_bytes   # what the bytes predict for decode
     df["decode_speedup"] = df.decode_tok_per_s / base.decode_tok_per_s   # what the kernels delivered
+    return df
+
+
+def predicted_bytes(methods: Sequence[str]):
+    """What the bits predict, before anything is loaded: each method's weight bytes from the
+    HF folder's tensor shapes (quantized linear layers at `bits` a weight, plus 0.5 bit of
+    scale per weight for 4-bit groups of 64; embedding and norms in the method's float
+    dtype) and the decode speedup over fp32 those bytes alone predict."""
+    import pandas as pd
+    from safetensors import safe_open
+
+    from infercourse.models import quant_formats as qf
+    from infercourse.models.formats import hf_folder
+    with safe_open(str(hf_folder() / "model.safetensors"), "np") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    linear = sum(int(np.prod(v)) for k, v in shapes.items() if len(v) == 2 and "embed" not in k)
+    other = sum(int(np.prod(v)) for k, v in shapes.items()) - linear
+    rows = []
+    for name in ["fp32", *[m for m in methods if m != "fp32"]]:
+        m = qf.METHODS[name]
+        float_bytes = 2 if m.dtype in ("bfloat16", "float16") else 4
+        bits = m.bits + (0.5 if m.bits == 4 else 0)
+        rows.append({"format": name, "bits": m.bits, "predicted_bytes": linear * bits / 8 + other * float_bytes})
+    df = pd.DataFrame(rows)
+    df["predicted_speedup"] = df.predicted_bytes.iloc[0] / df.predicted_bytes
     return df
 
 

@@ -22,7 +22,8 @@ bitsandbytes 0.50.2, torchao 0.18.0), and is what `METHODS` / `NOT_HERE` say:
 | method | quantizes here | runs here | note |
 |---|---|---|---|
 | bf16 | yes | yes | torch CPU bf16 matmul |
-| bnb-int8, bnb-nf4 | yes (at load) | yes | bitsandbytes' CPU backend; a saved NF4 folder reloads broken here (NLL 17 vs 3.7), so NF4 is quantized at each load, as bitsandbytes intends |
+| bnb-int8 | yes (at load) | yes | bitsandbytes' CPU backend casts float32 activations to float16 for its int8 matmul |
+| bnb-nf4 | yes (at load) | yes, slowly | without the optional `kernels` package its CPU path dequantizes each weight to float before the matmul; a saved NF4 folder reloads broken here (NLL 17 vs 3.7), so NF4 is quantized at each load, as bitsandbytes intends |
 | torchao-int8, torchao-int4 | yes | yes | int4 via torchao's CPU (`opaque`) packing |
 | awq-int4 | yes (calibrated, ~1-3 min) | yes | cached after the first run |
 | gptq-int4/int8 | **no** | - | torchao's GPTQ asserts CUDA; `gptqmodel` 7.7 needs torch >= 2.14.1 (would replace torch 2.13); `llmcompressor` 0.14 pins transformers <= 5.17 and pulls datasets/pyarrow/auto-round: refused |
