@@ -228,8 +228,9 @@ def measure_methods(methods: Sequence[str], gguf_paths: dict[str, str | Path], *
     """
     import pandas as pd
 
-    from infercourse.engines.transformers_engine import TransformersEngine
     from infercourse.models import quant_formats as qf
+    qf.quiet()   # before transformers imports torchao and bitsandbytes
+    from infercourse.engines.transformers_engine import TransformersEngine
     from infercourse.models.derive import manifest
     _check_disjoint(eval_text, calibration)
     order = ["fp32"] + [m for m in methods if m != "fp32"]

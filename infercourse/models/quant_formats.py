@@ -47,7 +47,7 @@ from infercourse.core.errors import BackendMissingError, ModelLayerError
 from infercourse.models.derive import derive, derived_dir, hash_folder, manifest
 
 __all__ = ["Method", "METHODS", "NOT_HERE", "CALIBRATION_START_WORD", "split_eval_text",
-           "derive_method", "load_method", "weight_bytes", "method_status"]
+           "derive_method", "load_method", "weight_bytes", "method_status", "quiet"]
 
 CALIBRATION_START_WORD = 400   # calibration reads words [400:] of eval_prose.txt; evaluate on [:400]
 
@@ -106,25 +106,29 @@ def split_eval_text(text: str, eval_words: int) -> tuple[str, str]:
 
 
 def _libs():
-    _quiet()
+    quiet()
     try:
         import torch
         import transformers
     except ImportError as e:
         raise BackendMissingError("transformers/torch not installed", hint="pip install 'infercourse[hf]'") from e
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()   # "Loading weights" bars, one per load
     return torch, transformers
 
 
-def _quiet() -> None:
+def quiet() -> None:
     """Keep these libraries' chatter out of notebook cells (it reaches Python's stderr
     object, which `native_logs_to_file` leaves alone): CUDA-only extensions that fail to
-    load on import, deprecation notes, and one warning per layer per forward pass."""
+    load on import, an optional CPU kernel package, deprecation notes, progress bars, and
+    one warning per layer per forward pass. Call it before they are imported."""
+    import importlib.util
     import logging
     import warnings
     for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):   # before their import
         logging.getLogger(name).setLevel(logging.ERROR)
+    if importlib.util.find_spec("transformers"):
+        import transformers
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()   # "Loading weights" bars, one per load
     # LLM.int8 on CPU casts float32 activations to float16 for its int8 matmul: true, and
     # said once in the module docstring rather than 30 times a token
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
