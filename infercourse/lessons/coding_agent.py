@@ -34,7 +34,7 @@ from infercourse.measure.workloads import DATA_DIR
 from infercourse.ops.probes import parse_metrics
 
 __all__ = ["TOOLS_TEMPLATE", "serve", "prefilled_call", "engines", "request_parts", "run_session",
-           "cache_table", "slot_view", "first_overflow", "ask_more_than_fits", "cold_timeout", "tool_route", "api_agreement",
+           "cache_table", "header_verdicts", "slot_view", "first_overflow", "ask_more_than_fits", "cold_timeout", "tool_route", "api_agreement",
            "routes", "claude_code_settings", "plot_calls"]
 
 # llama-server's counter of prompt tokens it actually evaluated (cache hits excluded)
@@ -138,6 +138,22 @@ def cache_table(runs: dict[str, pd.DataFrame]) -> pd.DataFrame:
     out = pd.DataFrame(rows).set_index("variant")
     out["ttft_vs_first"] = out["ttft_p50_s"] / out["ttft_p50_s"].iloc[0]
     return out
+
+
+def header_verdicts(table: pd.DataFrame, restored: float = 0.9) -> pd.Series:
+    """Per variant, from the numbers: did the calls after the first reuse about as much of
+    their prompt as the baseline (the first row) did? `restored` is the share of the
+    baseline's cached share that counts as restored. Moving the header behind the static
+    block is not always enough: a chat template renders the tool schemas *after* the system
+    text, so a header at the end of the system prompt still precedes (and busts) the tools."""
+    base = float(table["cached_share"].iloc[0])
+    out = {}
+    for name, share in table["cached_share"].items():
+        share = float(share)
+        out[name] = (f"reuses {share:.0%} of its prompt, as the baseline does ({base:.0%})" if share >= restored * base
+                     else f"still busted: reuses {share:.0%} of its prompt (baseline {base:.0%}); "
+                          f"everything after the changing text is prefilled again")
+    return pd.Series(out, name="verdict")
 
 
 def slot_view(url: str) -> dict[str, Any]:
