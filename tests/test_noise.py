@@ -136,3 +136,19 @@ def test_a_shift_inside_the_floor_is_noise():
 def test_compare_rejects_negative_floor():
     with pytest.raises(ValueError):
         noise.compare([1, 2], [1, 2], -0.1)
+
+
+def test_verdict_is_the_same_for_times_and_speeds():
+    """A time ratio r is a speed ratio 1/r: both must get the same verdict against the same
+    A/A floor (with a linear band 1 ± floor a 0.58x speed-up against a ±54% floor was
+    'within noise' as a speed and 'slower' as a time)."""
+    rng = np.random.default_rng(3)
+    floor = noise.noise_floor(np.ones(8), np.exp(rng.normal(0, 0.2, 8)))
+    for factor in (0.58, 0.7, 0.9, 1.3, 1.8):
+        t = rng.uniform(1.0, 2.0, 12)
+        t_b = t * factor * np.exp(rng.normal(0, 0.02, 12))
+        as_time = noise.compare(t, t_b, floor, labels=("A", "B"))
+        as_speed = noise.compare(1 / t, 1 / t_b, floor, higher_is_better=True, labels=("A", "B"))
+        assert as_time.verdict == as_speed.verdict, factor
+    f = noise.noise_floor([1.0] * 6, [0.5, 1, 1, 1, 1, 1.2])     # 2x slower one way beats 1.2x the other
+    assert f.floor == pytest.approx(1.0) and "[0.50, 2.00]" in f.text()

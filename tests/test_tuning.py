@@ -75,7 +75,7 @@ def test_decide_pairs_requests_and_judges_against_the_aa_floor():
     d = T.decide(before, after)
     assert d["decision"] == "keep" and d["ratio"] == pytest.approx(0.9) and d["pairs"] == 8
     assert T.decide(before, after, floor=0.15)["decision"] == "revert"          # inside a ±15% floor
-    wobble = _frame(before.ttft_s * np.where(np.arange(8) % 2, 1.2, 0.8))      # A/A moves ±20%
+    wobble = _frame(before.ttft_s * np.where(np.arange(8) % 2, 1.2, 1 / 1.2))  # A/A moves x/÷ 1.2
     aa = T.decide(before, after, aa=wobble)
     assert aa["decision"] == "revert" and "within noise" in aa["why"] and aa["floor"] == pytest.approx(0.2)
     few = T.decide(before.iloc[:3], after.iloc[:3])                              # 3 pairs: a range, said so
@@ -230,7 +230,7 @@ def test_tuning_log_judges_trials_against_the_baselines_aa_repeat(tmp_path):
     base = T.ServerConfig()
     x = np.linspace(1.0, 2.0, 8)
     session = _session(tmp_path, "b", base, x)
-    session["runs"]["users A/A"] = SimpleNamespace(df=_frame(x * np.where(np.arange(8) % 2, 1.3, 0.75)),
+    session["runs"]["users A/A"] = SimpleNamespace(df=_frame(x * np.where(np.arange(8) % 2, 1.3, 1 / 1.3)),
                                                    dir=tmp_path / "aa")
     log = T.TuningLog(tmp_path, guard="users:ttft_s")
     log.baseline(session)

@@ -29,13 +29,17 @@ survive the noise:
   (the number of r_i below the true median is Binomial(n, 1/2) whatever the
   distribution). A 95% interval needs n >= 6 pairs; with fewer, the interval is the whole
   range [min r, max r] and `exact` is False (its coverage is then below 95%).
-- A/A **noise floor** = max(|lo - 1|, |hi - 1|) over that interval for two runs of the
-  same configuration: the largest relative difference that A/A cannot rule out. A floor
-  of 0.08 reads "differences within ±8% are noise on this machine now".
+- A/A **noise floor** = max(hi, 1/lo) - 1 over that interval for two runs of the same
+  configuration: the largest factor, either way, that A/A cannot rule out. A floor of
+  0.08 reads "differences within a factor 1.08, up or down, are noise on this machine now".
 - **verdict** (`compare`): B differs from A only when the *whole* paired interval lies
-  beyond the noise band [1 - floor, 1 + floor]: hi < 1 - floor or lo > 1 + floor. Else
-  "within noise". This asks for both things at once: the interval excludes "no change"
-  and the change is larger than what the same configuration does to itself.
+  beyond the noise band [1/(1 + floor), 1 + floor]: hi < 1/(1 + floor) or lo > 1 + floor.
+  Else "within noise". This asks for both things at once: the interval excludes "no
+  change" and the change is larger than what the same configuration does to itself.
+  The band is symmetric on a log scale, so the verdict is the same whether times or
+  speeds are compared (a time ratio r is a speed ratio 1/r): with a linear band
+  [1 - floor, 1 + floor] a 0.58x speed-up against a ±54% floor read "within noise" as a
+  speed and "slower" as a time.
 
 Pure numpy and stdlib: the callables passed to `run_interleaved` do the measuring
 (engines never time themselves; bench does).
@@ -54,7 +58,7 @@ from infercourse.core.summary import order_stat_ci
 
 __all__ = ["Contention", "cpu_share", "load_per_core", "judge", "contention", "schedule",
            "run_interleaved", "PairedInterval", "paired_interval", "NoiseFloor",
-           "noise_floor", "Comparison", "compare", "run_arms", "compare_arms"]
+           "noise_floor", "band_text", "Comparison", "compare", "run_arms", "compare_arms"]
 
 # Busy when more runnable threads than cores wait (load per core above 1), or when this
 # process gets under 80% of a core while it spins: either way timings carry the neighbours.
@@ -241,18 +245,24 @@ class NoiseFloor:
     interval: PairedInterval
 
     def text(self) -> str:
-        return f"A/A noise floor ±{self.floor:.1%} ({self.interval.text('A2/A')})"
+        return (f"A/A noise floor ±{self.floor:.1%}: ratios in {band_text(self.floor)} are noise "
+                f"({self.interval.text('A2/A')})")
 
 
 def noise_floor(a1: Sequence[float], a2: Sequence[float], ci: float = 0.95) -> NoiseFloor:
-    """max(|lo - 1|, |hi - 1|) of the paired interval of two runs of the same configuration.
+    """max(hi, 1/lo) - 1 of the paired interval of two runs of the same configuration.
 
     Args:
         a1, a2: the same configuration measured twice, interleaved, pair by pair.
         ci: confidence level.
     """
     iv = paired_interval(a1, a2, ci)
-    return NoiseFloor(max(abs(iv.lo - 1), abs(iv.hi - 1)), iv)
+    return NoiseFloor(max(iv.hi, 1 / iv.lo if iv.lo > 0 else math.inf) - 1, iv)
+
+
+def band_text(floor: float) -> str:
+    """The noise band of a floor, as printed beside a ratio: "[0.93, 1.08]"."""
+    return f"[{1 / (1 + floor):.2f}, {1 + floor:.2f}]"
 
 
 @dataclass(frozen=True)
@@ -271,7 +281,7 @@ class Comparison:
     def text(self) -> str:
         a, b = self.labels
         return (f"{self.verdict}: {self.interval.text(f'{b}/{a}')}, "
-                f"noise band 1 ± {self.floor:.1%}")
+                f"noise band {band_text(self.floor)}")
 
     def __str__(self) -> str:
         return self.text
@@ -281,7 +291,7 @@ def compare(a: Sequence[float], b: Sequence[float], floor: float | NoiseFloor = 
             higher_is_better: bool = False, labels: tuple[str, str] = ("A", "B"),
             ci: float = 0.95, word: str = "faster") -> Comparison:
     """"A faster", "B faster" or "within noise": B differs from A only when the whole
-    paired-ratio interval of b/a lies outside [1 - floor, 1 + floor].
+    paired-ratio interval of b/a lies outside [1/(1 + floor), 1 + floor].
 
     Args:
         a, b: one value per trial, paired by index (from `run_interleaved`).
@@ -296,7 +306,7 @@ def compare(a: Sequence[float], b: Sequence[float], floor: float | NoiseFloor = 
     if not f >= 0:
         raise ValueError(f"the noise floor must be >= 0, got {f}")
     iv = paired_interval(a, b, ci)
-    if iv.hi < 1 - f:          # b clearly smaller than a
+    if iv.hi < 1 / (1 + f):    # b clearly smaller than a
         winner = labels[0] if higher_is_better else labels[1]
     elif iv.lo > 1 + f:        # b clearly larger than a
         winner = labels[1] if higher_is_better else labels[0]

@@ -43,7 +43,7 @@ def decide(before, after, metric: str = "ttft_s", *, goal: str = "lower", floor:
 
     Each request i gives a ratio after_i / before_i; `noise.compare` puts a distribution-free
     interval on the median ratio and keeps the change only when the whole interval lies
-    beyond the noise band 1 ± floor on the better side. The floor is the A/A noise floor:
+    beyond the noise band [1/(1 + floor), 1 + floor] on the better side. The floor is the A/A noise floor:
     the baseline measured twice (`aa`), so "better" means better than the machine does to
     itself. Two overlapping per-run intervals are NOT the test: with a few requests each
     interval is nearly the whole sample, and a 40% cut still "overlaps".
@@ -73,7 +73,7 @@ def decide(before, after, metric: str = "ttft_s", *, goal: str = "lower", floor:
         return {**out, "decision": "revert", "why": f"worse beyond noise{note}"}
     return {**out, "decision": "revert",
             "why": f"within noise: the paired interval [{iv.lo:.2f}, {iv.hi:.2f}] reaches the band "
-                   f"1 ± {floor:.0%}, so keep the old setting{note}"}
+                   f"{noise.band_text(floor)}, so keep the old setting{note}"}
 
 
 def _target(session: dict[str, Any], target: str):
