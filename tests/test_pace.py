@@ -1,0 +1,32 @@
+"""The course's pace on a machine: the reference's figures scaled by a probe's ratio."""
+import json
+
+from infercourse.ops import pace
+
+
+def test_predict_scales_every_size_by_the_probe_ratio():
+    ref = {"probe_s": 0.5, "course_full_s": 1200.0, "course_ci_s": 600.0}
+    p = pace.predict(1.5, ref)        # this machine takes 3x the reference's probe time
+    assert p["ratio"] == 3.0
+    assert (p["course_full_s"], p["course_ci_s"]) == (3600.0, 1800.0)
+    assert "course_ci_s" not in pace.predict(0.25, {"probe_s": 0.5, "course_full_s": 100.0})
+
+
+def test_save_reference_keeps_the_other_size(tmp_path):
+    path = tmp_path / "ref.json"
+    for size, total in (("full", 1500.0), ("ci", 700.0)):
+        times = tmp_path / f"{size}.json"
+        times.write_text(json.dumps({"size": size, "seconds": {"00_setup": 12.0}, "total_s": total, "load_1m": 0.3}))
+        pace.save_reference(times, 0.42, path=path)
+    ref = json.loads(path.read_text())
+    assert (ref["course_full_s"], ref["course_ci_s"], ref["probe_s"]) == (1500.0, 700.0, 0.42)
+    assert ref["notebooks_ci_s"] == {"00_setup": 12.0} and "cores" in ref["machine"]
+
+
+def test_the_committed_reference_names_its_machine_and_load():
+    """`make doctor` predicts from data/reference_machine.json: it must exist and say where,
+    how loaded, and what the probe took there (a figure without its machine is no reference)."""
+    ref = json.loads(pace.REFERENCE.read_text())
+    assert ref["probe_s"] > 0 and ref["course_full_s"] > 0
+    assert ref["machine"] and "load_1m_full" in ref
+    assert set(ref["notebooks_full_s"]) >= {"00_setup", "19_capacity_routing"}
