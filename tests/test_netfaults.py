@@ -9,6 +9,7 @@ import time
 import pytest
 
 from infercourse.core.errors import APILayerError, ServerLayerError
+from infercourse.engines.openai_http import OpenAIHTTPEngine
 from infercourse.ops.netfaults import SYMPTOMS, FaultProxy, client_engine
 from infercourse.testing import SSESource
 
@@ -19,8 +20,9 @@ def source():
         yield src
 
 
-def _stream(url, max_tokens=12):
-    engine = client_engine(url, timeout_s=20)
+def _stream(url, max_tokens=12, model=None):
+    """model: the served name, so no /v1/models lookup (itself delayed by a delay fault) is timed."""
+    engine = client_engine(url, timeout_s=20) if model is None else OpenAIHTTPEngine(url, model=model, timeout=20)
     t0 = time.perf_counter()
     try:
         events = list(engine.stream("hi", max_tokens=max_tokens))
@@ -51,12 +53,26 @@ def test_delays_add_at_least_their_delay_to_the_first_token(source, fault):
     """Compared with a pass-through run in the same test: a delay can only add."""
     with FaultProxy(source.url, None) as p:
         _stream(p.url)                      # warm: /v1/models lookup and connection
-        t0, base = _stream(p.url)
+        t0, base = _stream(p.url, model="sse-source")
     with FaultProxy(source.url, fault, delay_s=0.4) as p:
-        t1, slow = _stream(p.url)
+        t1, slow = _stream(p.url, model="sse-source")
     ttft_base, ttft_slow = base[0].t - t0, slow[0].t - t1
     assert ttft_slow - ttft_base >= 0.4 * 0.9
     assert sum(e.n_tokens for e in slow) == sum(e.n_tokens for e in base)
+
+
+def test_slow_first_byte_adds_to_a_slow_upstream():
+    """A streaming server sends its response head at once and the first token after its
+    prefill: the delay must add to that prefill, not hide inside it (on the old proxy, which
+    held back only the head, a 0.4 s delay on a 0.4 s prefill added ~0 s)."""
+    with SSESource(ttft_s=0.4) as slow_upstream:
+        with FaultProxy(slow_upstream.url, None) as p:
+            _stream(p.url)
+            t0, base = _stream(p.url, model="sse-source")
+        with FaultProxy(slow_upstream.url, "slow_first_byte", delay_s=0.4) as p:
+            t1, slow = _stream(p.url, model="sse-source")
+    assert (slow[0].t - t1) - (base[0].t - t0) >= 0.4 * 0.9
+    assert sum(e.n_tokens for e in slow) == sum(e.n_tokens for e in base) and slow[-1].done
 
 
 def test_fault_lifts_after_max_s(source):
