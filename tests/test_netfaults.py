@@ -9,7 +9,6 @@ import time
 import pytest
 
 from infercourse.core.errors import APILayerError, ServerLayerError
-from infercourse.engines.openai_http import OpenAIHTTPEngine
 from infercourse.ops.netfaults import SYMPTOMS, FaultProxy, client_engine
 from infercourse.testing import SSESource
 
@@ -22,7 +21,7 @@ def source():
 
 def _stream(url, max_tokens=12, model=None):
     """model: the served name, so no /v1/models lookup (itself delayed by a delay fault) is timed."""
-    engine = client_engine(url, timeout_s=20) if model is None else OpenAIHTTPEngine(url, model=model, timeout=20)
+    engine = client_engine(url, timeout_s=20, model=model)
     t0 = time.perf_counter()
     try:
         events = list(engine.stream("hi", max_tokens=max_tokens))

@@ -57,10 +57,11 @@ _NOTHING = object()   # "no first chunk taken yet" (None is the end of the body)
 _LIVE: set["FaultProxy"] = set()
 
 
-def client_engine(url: str, timeout_s: float = 10.0):
-    """An OpenAIHTTPEngine for a client of the proxy (short read timeout)."""
+def client_engine(url: str, timeout_s: float = 10.0, model: str | None = None):
+    """An OpenAIHTTPEngine for a client of the proxy (short read timeout). `model`: the
+    served name, which spares the `/v1/models` lookup (a delay fault slows that too)."""
     from infercourse.engines.openai_http import OpenAIHTTPEngine
-    return OpenAIHTTPEngine(url, timeout=timeout_s)
+    return OpenAIHTTPEngine(url, model=model, timeout=timeout_s)
 
 
 async def _next(reader: asyncio.StreamReader, conn: h11.Connection):
