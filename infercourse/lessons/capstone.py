@@ -40,7 +40,7 @@ __all__ = ["HIDDEN", "REPORT_TEMPLATE", "Route", "routes", "replay", "summarize"
 
 # Faults a route can suffer while the session runs, and still be undone at once.
 HIDDEN = ("latency", "slow_first_byte", "cut", "reset", "5xx", "overloaded", "killed")
-MAX_DELAY_S = 8.0     # the largest delay fault (see run_incident)
+MAX_DELAY_S = 12.0    # the largest delay fault (see run_incident): under the replay timeout (30 s) with a slow baseline
 REPORT_TEMPLATE = {"route": None, "symptom": None, "layer": None, "evidence": None, "fix": None}
 
 
@@ -226,7 +226,7 @@ def run_incident(rs: list[Route], seed: int, n_calls: int, max_tokens: int, out_
     delay = None
     if fault in ("latency", "slow_first_byte") and baseline is not None:
         base_e2e = baseline.loc[(baseline["route"] == target.key) & (baseline["status"] == "ok"), "e2e_s"].median()
-        # capped: a client's model lookup and the lab's probe wait 10 s for the delayed proxy
+        # capped so that a delayed call still ends inside the replay's 30 s timeout
         delay = float(min(scale * base_e2e, MAX_DELAY_S)) if base_e2e == base_e2e else None   # NaN: default size
     inc.delay_s = delay
     longest = "\n".join(m["content"] for m in _calls(n_calls, max_tokens).requests[-1].messages)

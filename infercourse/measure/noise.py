@@ -95,7 +95,11 @@ def cpu_share(seconds: float = 0.2) -> float:
     running beside the probe do not inflate it.
 
     Args:
-        seconds: how long to spin; 0.1-0.3 s is enough for the scheduler's share to show.
+        seconds: how long to spin; 0.5 s or more for the scheduler's share to show (a thread
+            that wakes from sleep runs ahead of its share for the first tenths of a second).
+            Only processes in the same scheduling group compete fairly: with Linux's
+            autogroup, a busy loop started in another session (`setsid`, another terminal)
+            takes much less from this one, and this probe then rightly reads near 1.0.
     """
     w0, c0 = time.perf_counter(), time.thread_time()
     x = 0
@@ -133,11 +137,13 @@ def judge(load_1m: float | None, cores: int, share: float | None, *,
     return Contention(load_1m, cores, share, bool(why), msg)
 
 
-def contention(probe_s: float = 0.2, **thresholds: float) -> Contention:
+def contention(probe_s: float = 0.5, **thresholds: float) -> Contention:
     """Read the machine now (load average, then a `probe_s` CPU-share probe) and `judge` it.
 
     Args:
-        probe_s: seconds of the CPU-share probe.
+        probe_s: seconds of the CPU-share probe. Not much shorter: Linux gives a thread that
+            wakes from sleep a head start, so a 0.2 s probe read up to 0.84 of a core beside two
+            busy loops on two cores where 0.5 s reads 0.5-0.7 (the fair share is 2/3).
         thresholds: `max_load_per_core` / `min_cpu_share`, passed to `judge`.
     """
     load, cores = load_per_core()
