@@ -8,6 +8,11 @@ the rest of the process (or of a `with` block); Python's own `print` in a notebo
 through the kernel's `sys.stdout` object, not through descriptor 1, so the learner still
 sees every line the lesson prints. Child processes inherit the file too.
 
+A few Python loggers write to the kernel's `sys.stderr` object on import, above the
+descriptors: torchao (CUDA-only extensions that fail to load on a CPU), torch's pytree
+deprecation notes, bitsandbytes (a missing optional CPU kernel). Their records go to the
+same file (`PY_LOGGERS`), set before those libraries are imported.
+
 Hand-written because it is the `dup2` of two descriptors: no library does less.
 """
 from __future__ import annotations
@@ -20,9 +25,11 @@ from typing import Iterator
 
 from infercourse.models.embedded import cache_dir
 
-__all__ = ["native_log_path", "native_logs_to_file"]
+__all__ = ["PY_LOGGERS", "native_log_path", "native_logs_to_file"]
 
 _ACTIVE: dict[str, object] = {}
+# Python loggers whose import-time chatter reached notebook cells (04 printed four lines)
+PY_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
 
 def native_log_path() -> Path:
@@ -67,4 +74,15 @@ def native_logs_to_file(path: str | Path | None = None, *, block: bool = False):
         cm = _redirected(path)
         _ACTIVE["path"] = cm.__enter__()     # held for the life of the process
         _ACTIVE["cm"] = cm
+        _python_loggers_to(_ACTIVE["path"])
     return _ACTIVE["path"]
+
+
+def _python_loggers_to(path: Path) -> None:
+    import logging
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    for name in PY_LOGGERS:
+        log = logging.getLogger(name)
+        log.addHandler(handler)
+        log.propagate = False      # not up to a handler that writes to the notebook's stderr
