@@ -126,3 +126,16 @@ def test_tensor_rows_explains_the_fallbacks():
     assert t.loc["blk.N.attn_q.weight", "row_length"] == 576 and not t.loc["blk.N.attn_q.weight", "fits_256"]
     # a tensor whose rows do not split into 256 cannot be a K-quant
     assert not t[~t["fits_256"]]["types"].str.contains("_K").any()
+
+
+def test_cache_line_follows_the_numbers():
+    """06 printed "cache 315 MB; the F16 weights are 269 MB, 1x more, so every token streams
+    them from memory": the sentence now follows from the sizes and the measured MBU."""
+    from infercourse.lessons.quantization import cache_line
+    big = cache_line(32 * 2**20, 269e6, 0.37)
+    assert "8.0× more" in big and "streams them from memory" in big
+    fits = cache_line(315e6, 269e6, 0.37)
+    assert "could fit" in fits and "85% of it" in fits and "streamed from memory all the same" in fits
+    assert "more" not in fits.split("(")[0]
+    assert "stay cached" in cache_line(315e6, 269e6, 1.4)
+    assert cache_line(None, 269e6, 0.37) == ""

@@ -26,7 +26,7 @@ from infercourse.core.errors import ModelLayerError
 
 __all__ = ["measure_ladder", "ladder_paths", "greedy_agreement", "rss_bytes",
            "levels_per_block", "paired_nll_difference",
-           "ladder_table", "tensor_rows", "last_level_cache_bytes"]
+           "ladder_table", "tensor_rows", "last_level_cache_bytes", "cache_line"]
 
 
 def rss_bytes() -> int:
@@ -323,3 +323,26 @@ def last_level_cache_bytes() -> int | None:
         if out.isdigit() and int(out) > 0:
             return int(out)
     return None
+
+
+def cache_line(llc_bytes: int | None, weight_bytes: float, mbu: float) -> str:
+    """The summary's sentence on the weights against the largest CPU cache, from the
+    numbers: bigger than the cache, every token streams them from memory; smaller, they
+    could stay cached, and the measured MBU (decode speed / the DRAM-bandwidth ceiling)
+    says whether they did (above 1) or not. "" where the OS gives no cache size.
+
+    Args:
+        llc_bytes: `last_level_cache_bytes()`; weight_bytes: the file's weight bytes;
+        mbu: that file's measured decode speed / its bandwidth ceiling.
+    """
+    if not llc_bytes:
+        return ""
+    ratio = weight_bytes / llc_bytes
+    head = f"This CPU's largest cache is {llc_bytes / 1e6:.0f} MB; the F16 weights are {weight_bytes / 1e6:.0f} MB"
+    if ratio > 1:
+        return f"{head}, {ratio:.1f}× more, so every decoded token streams them from memory again."
+    verdict = ("above 100%: some of them stay cached" if mbu > 1 else
+               "under 100%: they are streamed from memory all the same (the cache is shared with every other "
+               "core, and on a VM with the host's other tenants; the KV cache and activations pass through it too)")
+    return f"{head} ({ratio:.0%} of it): they could fit, and F16's MBU of {mbu:.0%} is {verdict}."
+
