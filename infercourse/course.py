@@ -3,8 +3,8 @@
 `make course` and the notebook tests both call `run_notebook`, so CI executes exactly
 what a learner executes. Notebooks are committed without outputs; the executed copies
 land in `build/notebooks/`, HTML renderings in `build/html/`, and whatever the notebooks
-save through `infercourse.measure.results` in `build/results/<notebook>/` (the kernel gets
-`INFERCOURSE_RESULTS` in its environment).
+save through `infercourse.measure.results` in `build/results/<notebook>/<time>/`, a new
+folder each time a notebook runs (the kernel gets `INFERCOURSE_RESULTS` in its environment).
 
 Sizes. Every notebook keeps its sizes (requests, tokens, trials) in its parameters cell, and
 its defaults are the course's full size. `make test` runs each notebook at a small, stated
@@ -89,11 +89,22 @@ def parse_params(items: list[str] | None) -> dict:
 
 
 def results_dir(name: str) -> Path:
-    """Where a notebook saves its runs: $INFERCOURSE_RESULTS/<name>, else build/results/<name>."""
-    root = Path(os.environ.get("INFERCOURSE_RESULTS", Path.cwd() / "build" / "results"))
-    path = root / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """A new folder for this run of a notebook's results:
+    `$INFERCOURSE_RESULTS/<name>/<YYYYmmdd-HHMMSS>` (else under build/results), with a
+    suffix when that second is taken. New on every call, so running a notebook again (or a
+    second `make course`) never meets the runs of the last time: a run folder is
+    append-only and refuses to be written twice (10 failed so on the second `make course`).
+    """
+    root = Path(os.environ.get("INFERCOURSE_RESULTS", Path.cwd() / "build" / "results")) / name
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1, 1000):
+        path = root / (stamp if i == 1 else f"{stamp}-{i}")
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{root}: no free results folder for {stamp}")
 
 
 def run_notebook(path: str | Path, out: str | Path = "build", *, timeout_s: int = 900,

@@ -88,7 +88,8 @@ class RunWriter:
         self.dir = Path(directory)
         if (self.dir / REQUESTS).exists() or (self.dir / MANIFEST).exists():
             raise FileExistsError(f"{self.dir} already holds a run; results are append-only, "
-                                  "pick a new directory")
+                                  "pick a new directory (re-running a notebook cell? run its set-up "
+                                  "cell again: `results_dir()` gives a new folder each time)")
         self.dir.mkdir(parents=True, exist_ok=True)
         missing = [k for k in CONDITION_KEYS if k not in manifest]
         if missing:
