@@ -128,6 +128,8 @@ def test_tuning_log_appends_and_tracks_the_kept_config(tmp_path):
     assert T.TuningLog(tmp_path).frame()["decision"].tolist() == ["baseline", "keep", "revert", "keep", "revert"]
     text = T.explain_log(T.TuningLog(tmp_path).frame())
     assert text.count("\n") == 3 and "`cache_type_k=q8_0` on kv_cache_mib: 90 → 68 (-24%): **keep**" in text
+    # a paired target says its change is the median paired ratio, not the ratio of the medians
+    assert "`n_parallel=4` on users:ttft_s: " in text and "(medians; median paired change " in text
 
 
 def test_tuning_workloads_are_the_same_requests_every_time():

@@ -201,10 +201,13 @@ def explain_log(frame: pd.DataFrame) -> str:
     lines = []
     for _, r in frame[frame["decision"] != "baseline"].iterrows():
         ci = r.get("ratio_ci")
-        paired = (f"; paired ratio interval [{ci[0]:.2f}, {ci[1]:.2f}], A/A floor ±{r['floor']:.0%}"
-                  if isinstance(ci, (list, tuple)) else "")
+        # paired: the change is the median of the per-request ratios, which is not the ratio
+        # of the two medians (13 printed "12.4 -> 7.38 (-28%)" with no word on which)
+        paired = (f"median paired change {r['change']:+.0%}, interval [{ci[0]:.2f}, {ci[1]:.2f}], "
+                  f"A/A floor ±{r['floor']:.0%}" if isinstance(ci, (list, tuple)) else f"{r['change']:+.0%}")
         lines.append(f"- `{r['trial']}` on {r['target']}: {r['before']:.3g} → {r['after']:.3g} "
-                     f"({r['change']:+.0%}{paired}): **{r['decision']}**, {r['why']}.")
+                     f"({'medians; ' if isinstance(ci, (list, tuple)) else ''}{paired}): "
+                     f"**{r['decision']}**, {r['why']}.")
     return "\n".join(lines) or "No trials ran."
 
 
