@@ -242,3 +242,13 @@ def test_importers_reject_wrong_files(tmp_path):
         importers.load_vllm_bench(p)
     with pytest.raises(ValueError, match="not a GuideLLM report"):
         importers.load_guidellm(p)
+
+
+def test_compare_counts_a_request_cut_at_the_end_apart_from_errors(tmp_path):
+    """14 printed a soak's error rate as 75% (cut-off requests apart) and the same run's
+    report as 83% (cut-off counted as errors): one definition now."""
+    with R.RunWriter(tmp_path / "soak", manifest()) as w:
+        for i, status in enumerate(["ok", "error", "error", "error", "incomplete", "incomplete"]):
+            w.write(trace(i, 0.1, status=status))
+    row = R.compare([R.load_run(tmp_path / "soak")]).iloc[0]
+    assert row["error_rate"] == pytest.approx(3 / 4) and row["n_incomplete"] == 2
