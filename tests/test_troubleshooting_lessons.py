@@ -73,3 +73,18 @@ def test_changed_most_needs_a_change_beyond_the_routes_aa_floor():
 def test_incident_doctor_gives_nothing_away_without_a_suspect():
     inc = capstone.Incident(0, "latency", "C", snapshots={"C": "REPORT C"})
     assert "Name the route" in inc.doctor(None) and inc.doctor("C") == "REPORT C"
+
+
+def test_cpu_contention_hogs_each_run_in_a_session_of_their_own():
+    """With Linux's autogroup, busy loops in the notebook's session barely slowed a server in
+    its own session: the lab's hogs are each a session, as another program would be."""
+    import os
+    hogs = symptoms._hogs(2, seconds=5)
+    try:
+        sids = {os.getsid(h.pid) for h in hogs}
+        assert len(sids) == 2 and os.getsid(0) not in sids
+        assert all(h.poll() is None for h in hogs)           # spinning
+    finally:
+        for h in hogs:
+            h.terminate()
+        assert all(h.wait(5) is not None for h in hogs)
