@@ -4,7 +4,7 @@ verdict on paired differences.
 A speed-up measured once, on a shared machine, is a guess. Four habits make a comparison
 survive the noise:
 
-1. **Check the machine first** (`contention`). Two readings: the 1-minute load average
+1. **Check the machine first** (`contention`, from `measure.contention`). Two readings: the 1-minute load average
    per core (how many runnable threads wait for each core), and the share of a core this
    process actually gets while it spins for a moment (CPU time of this thread / wall time;
    1.0 is a whole core). A busy machine does not forbid a measurement, but the learner
@@ -47,107 +47,18 @@ Pure numpy and stdlib: the callables passed to `run_interleaved` do the measurin
 from __future__ import annotations
 
 import math
-import os
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from infercourse.core.summary import order_stat_ci
+from infercourse.measure.contention import (MAX_LOAD_PER_CORE, MIN_CPU_SHARE, Contention, contention,  # noqa: F401
+                                            cpu_share, judge, load_per_core)
 
 __all__ = ["Contention", "cpu_share", "load_per_core", "judge", "contention", "schedule",
            "run_interleaved", "PairedInterval", "paired_interval", "NoiseFloor",
            "noise_floor", "band_text", "Comparison", "compare", "run_arms", "compare_arms"]
-
-# Busy when more runnable threads than cores wait (load per core above 1), or when this
-# process gets under 80% of a core while it spins: either way timings carry the neighbours.
-MAX_LOAD_PER_CORE = 1.0
-MIN_CPU_SHARE = 0.8
-
-
-# ---- 1. the contention gate ------------------------------------------------------------------
-@dataclass(frozen=True)
-class Contention:
-    """What the machine looked like just now, and a line to print above conclusions."""
-    load_1m: float | None      # 1-minute load average (None where the OS has none)
-    cores: int                 # logical cores
-    cpu_share: float | None    # share of one core this thread got while spinning (1.0 = all)
-    busy: bool
-    message: str
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def load_per_core() -> tuple[float | None, int]:
-    """(1-minute load average, logical cores): the reading `doctor layers` reports as
-    `load_1m`. Read with the stdlib here because `measure` sits below `ops`."""
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return load, os.cpu_count() or 1
-
-
-def cpu_share(seconds: float = 0.2) -> float:
-    """Spin for `seconds` of wall time and return CPU time / wall time of this thread.
-
-    1.0: this thread had a core to itself; 0.5: it got half of one (the other half went to
-    other processes). Thread time, not process time, so threads of an in-process engine
-    running beside the probe do not inflate it.
-
-    Args:
-        seconds: how long to spin; 0.5 s or more for the scheduler's share to show (a thread
-            that wakes from sleep runs ahead of its share for the first tenths of a second).
-            Only processes in the same scheduling group compete fairly: with Linux's
-            autogroup, a busy loop started in another session (`setsid`, another terminal)
-            takes much less from this one, and this probe then rightly reads near 1.0.
-    """
-    w0, c0 = time.perf_counter(), time.thread_time()
-    x = 0
-    while time.perf_counter() - w0 < seconds:
-        x += 1                 # busy work: a thread that waits would not ask for the CPU
-    wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
-    return min(cpu / wall, 1.0) if wall > 0 else math.nan
-
-
-def judge(load_1m: float | None, cores: int, share: float | None, *,
-          max_load_per_core: float = MAX_LOAD_PER_CORE,
-          min_cpu_share: float = MIN_CPU_SHARE) -> Contention:
-    """Say whether readings describe a busy machine (pure: tests inject the readings).
-
-    Args:
-        load_1m: 1-minute load average, None where unavailable.
-        cores: logical cores.
-        share: share of a core from `cpu_share`, None where not probed.
-        max_load_per_core: busy above this 1-minute load per core.
-        min_cpu_share: busy below this share of a core.
-    """
-    cores = max(int(cores), 1)
-    why = []
-    if load_1m is not None and load_1m / cores > max_load_per_core:
-        why.append(f"load {load_1m:.1f} on {cores} cores ({load_1m / cores:.1f} per core)")
-    if share is not None and not math.isnan(share) and share < min_cpu_share:
-        why.append(f"this process got {share:.0%} of a core")
-    load_txt = "n/a" if load_1m is None else f"{load_1m:.1f}"
-    share_txt = "n/a" if share is None or math.isnan(share) else f"{share:.0%}"
-    if why:
-        msg = (f"BUSY MACHINE: {'; '.join(why)}. Timings below include other programs' work: "
-               "read small differences as noise; trust only what clears the A/A floor.")
-    else:
-        msg = f"machine quiet: load {load_txt} on {cores} cores, this process got {share_txt} of a core."
-    return Contention(load_1m, cores, share, bool(why), msg)
-
-
-def contention(probe_s: float = 0.5, **thresholds: float) -> Contention:
-    """Read the machine now (load average, then a `probe_s` CPU-share probe) and `judge` it.
-
-    Args:
-        probe_s: seconds of the CPU-share probe. Not much shorter: Linux gives a thread that
-            wakes from sleep a head start, so a 0.2 s probe read up to 0.84 of a core beside two
-            busy loops on two cores where 0.5 s reads 0.5-0.7 (the fair share is 2/3).
-        thresholds: `max_load_per_core` / `min_cpu_share`, passed to `judge`.
-    """
-    load, cores = load_per_core()
-    return judge(load, cores, cpu_share(probe_s), **thresholds)
 
 
 # ---- 2. interleaved scheduling ----------------------------------------------------------------
