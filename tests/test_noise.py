@@ -152,3 +152,13 @@ def test_verdict_is_the_same_for_times_and_speeds():
         assert as_time.verdict == as_speed.verdict, factor
     f = noise.noise_floor([1.0] * 6, [0.5, 1, 1, 1, 1, 1.2])     # 2x slower one way beats 1.2x the other
     assert f.floor == pytest.approx(1.0) and "[0.50, 2.00]" in f.text()
+
+
+def test_threads_runnable_now_make_a_busy_machine_before_the_load_average_rises():
+    """The 1-minute load average lags: two seconds after two busy loops started, 10's gate
+    read 'load 0.3, quiet'. Threads runnable at this instant do not lag."""
+    c = noise.judge(0.3, 2, 0.9, runnable=2)
+    assert c.busy and "2 other threads runnable right now on 2 cores" in c.message
+    assert not noise.judge(0.3, 2, 0.9, runnable=1).busy      # a free core left
+    n = noise.runnable_others()
+    assert n is None or n >= 0

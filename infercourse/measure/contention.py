@@ -12,9 +12,10 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["MAX_LOAD_PER_CORE", "MIN_CPU_SHARE", "Contention", "load_per_core", "cpu_share", "judge",
-           "contention"]
+__all__ = ["MAX_LOAD_PER_CORE", "MIN_CPU_SHARE", "Contention", "load_per_core", "cpu_share",
+           "runnable_others", "judge", "contention"]
 
 # Busy when more runnable threads than cores wait (load per core above 1), or when this
 # process gets under 80% of a core while it spins: either way timings carry the neighbours.
@@ -64,7 +65,20 @@ def cpu_share(seconds: float = 0.5) -> float:
     return min(cpu / wall, 1.0) if wall > 0 else math.nan
 
 
+def runnable_others() -> int | None:
+    """Threads runnable on the whole machine at this instant, this one not counted (Linux:
+    the running count of /proc/loadavg; None elsewhere). Unlike the 1-minute load average
+    it does not lag: 10's gate read "load 0.3, quiet" two seconds after two busy loops
+    started."""
+    try:
+        running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(running - 1, 0)
+
+
 def judge(load_1m: float | None, cores: int, share: float | None, *,
+          runnable: int | None = None,
           max_load_per_core: float = MAX_LOAD_PER_CORE,
           min_cpu_share: float = MIN_CPU_SHARE) -> Contention:
     """Say whether readings describe a busy machine (pure: tests inject the readings).
@@ -73,11 +87,15 @@ def judge(load_1m: float | None, cores: int, share: float | None, *,
         load_1m: 1-minute load average, None where unavailable.
         cores: logical cores.
         share: share of a core from `cpu_share`, None where not probed.
+        runnable: other threads runnable right now (`runnable_others`); busy when they
+            fill every core. None: not read.
         max_load_per_core: busy above this 1-minute load per core.
         min_cpu_share: busy below this share of a core.
     """
     cores = max(int(cores), 1)
     why = []
+    if runnable is not None and runnable >= cores:
+        why.append(f"{runnable} other threads runnable right now on {cores} cores")
     if load_1m is not None and load_1m / cores > max_load_per_core:
         why.append(f"load {load_1m:.1f} on {cores} cores ({load_1m / cores:.1f} per core)")
     if share is not None and not math.isnan(share) and share < min_cpu_share:
@@ -102,4 +120,9 @@ def contention(probe_s: float = 0.5, **thresholds: float) -> Contention:
         thresholds: `max_load_per_core` / `min_cpu_share`, passed to `judge`.
     """
     load, cores = load_per_core()
-    return judge(load, cores, cpu_share(probe_s), **thresholds)
+    before = runnable_others()
+    share = cpu_share(probe_s)
+    after = runnable_others()
+    # both readings must show it: one instant can catch a thread that is about to sleep
+    runnable = None if before is None or after is None else min(before, after)
+    return judge(load, cores, share, runnable=runnable, **thresholds)

@@ -54,6 +54,7 @@ import numpy as np
 
 from infercourse.core.summary import order_stat_ci
 from infercourse.measure.contention import (MAX_LOAD_PER_CORE, MIN_CPU_SHARE, Contention, contention,  # noqa: F401
+                                            runnable_others,
                                             cpu_share, judge, load_per_core)
 
 __all__ = ["Contention", "cpu_share", "load_per_core", "judge", "contention", "schedule",
