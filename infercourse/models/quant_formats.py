@@ -115,15 +115,21 @@ def _libs():
     return torch, transformers
 
 
+# Python loggers that write to `sys.stderr` on import (CUDA-only torchao extensions that fail
+# to load on a CPU, torch's pytree deprecation notes, a missing optional bitsandbytes kernel);
+# `ops.logs.native_logs_to_file` sends them to its log file too
+CHATTY_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
+
+
 def quiet() -> None:
     """Keep these libraries' chatter out of notebook cells (it reaches Python's stderr
-    object, which `native_logs_to_file` leaves alone): CUDA-only extensions that fail to
-    load on import, an optional CPU kernel package, deprecation notes, progress bars, and
-    one warning per layer per forward pass. Call it before they are imported."""
+    object, above the descriptors `native_logs_to_file` redirects): CUDA-only extensions
+    that fail to load on import, an optional CPU kernel package, deprecation notes, progress
+    bars, and one warning per layer per forward pass. Call it before they are imported."""
     import importlib.util
     import logging
     import warnings
-    for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):   # before their import
+    for name in CHATTY_LOGGERS:   # before their import
         logging.getLogger(name).setLevel(logging.ERROR)
     if importlib.util.find_spec("transformers"):
         import transformers

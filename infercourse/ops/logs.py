@@ -11,7 +11,7 @@ sees every line the lesson prints. Child processes inherit the file too.
 A few Python loggers write to the kernel's `sys.stderr` object on import, above the
 descriptors: torchao (CUDA-only extensions that fail to load on a CPU), torch's pytree
 deprecation notes, bitsandbytes (a missing optional CPU kernel). Their records go to the
-same file (`PY_LOGGERS`), set before those libraries are imported.
+same file (`models.quant_formats.CHATTY_LOGGERS`), set before those libraries are imported.
 
 Hand-written because it is the `dup2` of two descriptors: no library does less.
 """
@@ -25,11 +25,9 @@ from typing import Iterator
 
 from infercourse.models.embedded import cache_dir
 
-__all__ = ["PY_LOGGERS", "native_log_path", "native_logs_to_file"]
+__all__ = ["native_log_path", "native_logs_to_file"]
 
 _ACTIVE: dict[str, object] = {}
-# Python loggers whose import-time chatter reached notebook cells (04 printed four lines)
-PY_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
 
 def native_log_path() -> Path:
@@ -79,10 +77,13 @@ def native_logs_to_file(path: str | Path | None = None, *, block: bool = False):
 
 
 def _python_loggers_to(path: Path) -> None:
+    # the loggers whose import-time chatter reached notebook cells (04 printed four lines)
     import logging
+
+    from infercourse.models.quant_formats import CHATTY_LOGGERS
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    for name in PY_LOGGERS:
+    for name in CHATTY_LOGGERS:
         log = logging.getLogger(name)
         log.addHandler(handler)
         log.propagate = False      # not up to a handler that writes to the notebook's stderr
