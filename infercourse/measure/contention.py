@@ -1,8 +1,9 @@
 """The contention gate: is this machine busy right now? (Habit 1 of `measure.noise`.)
 
-Two readings: the 1-minute load average per core (how many runnable threads wait for each
-core), and the share of a core this thread actually gets while it spins for a moment (CPU
-time / wall time; 1.0 is a whole core). A busy machine does not forbid a measurement, but the
+Three readings: the 1-minute load average per core (how many runnable threads wait for each
+core), the threads runnable at this instant (which does not lag as that average does), and
+the share of a core this thread actually gets while it spins for a moment (CPU time / wall
+time; 1.0 is a whole core). A busy machine does not forbid a measurement, but the
 learner must read the conclusions knowing it: `Contention.message` is one line to print above
 them. Stdlib only (`measure` sits below `ops`, whose doctor reads the same load average).
 """

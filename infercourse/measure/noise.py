@@ -4,12 +4,9 @@ verdict on paired differences.
 A speed-up measured once, on a shared machine, is a guess. Four habits make a comparison
 survive the noise:
 
-1. **Check the machine first** (`contention`, from `measure.contention`). Two readings: the 1-minute load average
-   per core (how many runnable threads wait for each core), and the share of a core this
-   process actually gets while it spins for a moment (CPU time of this thread / wall time;
-   1.0 is a whole core). A busy machine does not forbid a measurement, but the learner
-   must read the conclusions knowing it: `Contention.message` is one line to print above
-   them.
+1. **Check the machine first** (`contention`, from `measure.contention`, whose docstring
+   says what it reads): a busy machine does not forbid a measurement, but the learner must
+   read the conclusions knowing it.
 2. **Interleave, don't run one after the other** (`schedule`, `run_interleaved`). A, B,
    A, B ... or A, B, B, A (ABBA), so that a drift of the machine (a neighbour starts a
    build, the CPU heats and slows) lands on both arms alike instead of on whichever ran
@@ -54,10 +51,9 @@ import numpy as np
 
 from infercourse.core.summary import order_stat_ci
 from infercourse.measure.contention import (MAX_LOAD_PER_CORE, MIN_CPU_SHARE, Contention, contention,  # noqa: F401
-                                            runnable_others,
-                                            cpu_share, judge, load_per_core)
+                                            cpu_share, judge, load_per_core, runnable_others)
 
-__all__ = ["Contention", "cpu_share", "load_per_core", "judge", "contention", "schedule",
+__all__ = ["Contention", "cpu_share", "load_per_core", "runnable_others", "judge", "contention", "schedule",
            "run_interleaved", "PairedInterval", "paired_interval", "NoiseFloor",
            "noise_floor", "band_text", "Comparison", "compare", "run_arms", "compare_arms"]
 
