@@ -5,6 +5,7 @@ import asyncio
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from infercourse.core.types import Event, Usage
@@ -109,6 +110,50 @@ def test_a_failed_turn_ends_its_session_only(tmp_path):
     s = ss.sessions_summary(r.df)
     assert s["sessions_lost"] == 1 and s["turns"] == 3 + 2 and s["turns_ok"] == 3 + 1
     assert r.df.loc[r.df["session"] == 0, "status"].eq("ok").all()
+
+
+def test_request_ids_are_unique_when_scripts_differ_in_length(tmp_path):
+    """Sessions drawn from a three-turn and a one-turn script, in turn: every turn gets its
+    own id, and each session carries forward its own replies (a shared id would hand one
+    session another's turn)."""
+    eng = ScriptedEngine()
+    r = ss.run_sessions(eng, [_script(n_turns=3), _script(n_turns=1)], 4, warmup=0, out_dir=tmp_path / "r",
+                        progress=False)
+    assert len(r.df) == 3 + 1 + 3 + 1 and r.df["request_id"].is_unique, r.df[["session", "turn", "request_id"]]
+    for _, s, req in eng.got:
+        replies = [m["content"] for m in req.messages if m["role"] == "assistant"]
+        assert replies == [f"reply {k} of {s}" for k in range(len(replies))]
+
+
+def _failing(eng, when):
+    orig = eng.astream
+
+    async def astream(req, client=None):
+        if when(req):
+            raise RuntimeError("stand-in: the server refused this turn")
+        async for ev in orig(req, client):
+            yield ev
+    eng.astream = astream
+    return eng
+
+
+@pytest.mark.parametrize("fails, turns", [(lambda req: len(req.messages) > 2, 2 * 2),   # every later turn
+                                          (lambda req: True, 2)])                       # every turn, the first too
+def test_later_goodput_counts_failed_turns(tmp_path, fails, turns):
+    """No later turn succeeded: the steady-state goodput is 0, not NaN (a NaN passed any
+    `< target` test, so an overloaded count read as meeting the SLO)."""
+    eng = _failing(ScriptedEngine(), fails)
+    r = ss.run_sessions(eng, _script(n_turns=3), 2, warmup=0, out_dir=tmp_path / "r", progress=False)
+    s = ss.sessions_summary(r.df, {"ttft_s": 60.0})
+    assert s["turns"] == turns and s["turns_ok"] == turns - 2, r.df[["session", "turn", "status"]]
+    assert s["good_fraction_later"] == 0.0
+
+
+def test_later_goodput_is_nan_only_with_nothing_to_judge(tmp_path):
+    """One-turn sessions that all succeeded: no turn after the first, none failed."""
+    r = ss.run_sessions(ScriptedEngine(), _script(n_turns=1), 2, warmup=0, out_dir=tmp_path / "r", progress=False)
+    s = ss.sessions_summary(r.df, {"ttft_s": 60.0})
+    assert s["good_fraction"] == 1.0 and np.isnan(s["good_fraction_later"])
 
 
 def test_sweep_tables_by_session_count(tmp_path):

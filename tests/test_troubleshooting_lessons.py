@@ -4,7 +4,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from infercourse.core.errors import LAYERS
 from infercourse.lessons import capstone, symptoms, troubleshooting
+from infercourse.ops.faults import FAULTS
 
 
 def test_client_errors_lose_their_layer_tags_before_the_guess():
@@ -32,15 +34,49 @@ def test_reveal_hides_the_report_until_a_layer_is_named(capsys):
     assert "THE REPORT" in capsys.readouterr().out and len(graded) == 1          # "?" shows without grading
 
 
-def test_symptom_rows_keep_the_guides_suspects_and_say_why_they_differ():
-    assert symptoms.SYMPTOMS["agent stuck"][0] == ("context", "KV cache", "memory")
-    assert symptoms.SYMPTOMS["tokens slow"][0] == ("runtime", "quantization", "hardware")
-    row = symptoms.SymptomRow("agent stuck", *symptoms.SYMPTOMS["agent stuck"], layer="server")
-    assert "frozen" in row.differs() and row.as_dict()["guide's suspects"] == "context → KV cache → memory"
-    same = symptoms.SymptomRow("tokens slow", *symptoms.SYMPTOMS["tokens slow"], layer="hardware")
-    assert same.differs() == ""
-    sheet = symptoms.blank_sheet(["agent stuck", "tokens slow"])
-    assert list(sheet.columns) == ["guide's suspects", "your layer"] and (sheet["your layer"] == "").all()
+def test_every_symptom_row_is_reproduced_by_something(monkeypatch):
+    """Each row's `how` is a fault of the lab or one of the live measurements: `reproduce`
+    reaches it (stand-ins record the call) and the row takes the layer it names. A row whose
+    `how` names nothing would raise here, not in the middle of notebook 16."""
+    from types import SimpleNamespace
+    called = []
+    monkeypatch.setattr(symptoms, "run_fault", lambda how, server, **kw: called.append(how) or SimpleNamespace(
+        report=SimpleNamespace(failed=None, checks=[]), named=FAULTS[how].layer, doctor_s=0.0,
+        client_error="stand-in", notes={}))
+    live = lambda how: (lambda *a, **k: called.append(how) or ("context", f"stand-in {how}", {}))  # noqa: E731
+    for how in ("context_growth", "cpu_contention"):
+        monkeypatch.setattr(symptoms, how, live(how))
+    monkeypatch.setattr(symptoms, "cache_buster_check", live("cache_buster"))
+    monkeypatch.setattr(symptoms, "tool_check", live("anthropic_tools"))
+    for name, (suspects, how) in symptoms.SYMPTOMS.items():
+        row = symptoms.reproduce(name, SimpleNamespace(url="http://stand-in"))
+        assert called[-1] == how and row.skipped is None and row.layer in LAYERS, (name, row)
+    assert len(called) == len(symptoms.SYMPTOMS)
+
+
+def test_a_fault_outside_the_guides_suspects_says_why():
+    """Where the lab's fault lies in a layer the guide does not suspect for that symptom,
+    the row's own explanation (DIFFERS) says why, never the generic line; every explanation
+    belongs to a row; every suspect is a layer of the walk or is explained."""
+    generic = symptoms.SymptomRow("?", (), "?", layer="server").differs()
+    for name, (suspects, how) in symptoms.SYMPTOMS.items():
+        for s in suspects:
+            assert s in LAYERS or s in symptoms.DIFFERS.get(name, ""), (name, s)
+        if how in FAULTS:
+            row = symptoms.SymptomRow(name, suspects, how, layer=FAULTS[how].layer)
+            assert (row.differs() == "") == (FAULTS[how].layer in suspects), name
+            assert row.differs() in ("", symptoms.DIFFERS.get(name)) and row.differs() != generic, name
+    assert set(symptoms.DIFFERS) <= set(symptoms.SYMPTOMS)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_differs_is_empty_exactly_when_the_layer_is_suspected(layer):
+    for name, (suspects, how) in symptoms.SYMPTOMS.items():
+        row = symptoms.SymptomRow(name, suspects, how, layer=layer)
+        assert (row.differs() == "") == (layer in suspects), (name, layer)
+        assert row.as_dict()["guide's suspects"].split(" → ") == list(suspects)
+    sheet = symptoms.blank_sheet(list(symptoms.SYMPTOMS))
+    assert list(sheet.index) == list(symptoms.SYMPTOMS) and (sheet["your layer"] == "").all()
 
 
 def test_evidence_is_one_clean_line_without_html():

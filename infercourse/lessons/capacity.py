@@ -82,10 +82,14 @@ def measured_capacity(table: pd.DataFrame, min_good: float = 0.9, column: str = 
     """The largest session count (before the first failure) whose turns met the SLO in at
     least `min_good` of cases. By default only turns after a session's first count: the
     first is a whole prefill however many sessions run (a new agent's cold start), while
-    capacity is about the steady state. (`column="good_fraction"`: every turn.)"""
+    capacity is about the steady state; failed turns count wherever they fell
+    (`sessions_summary`). (`column="good_fraction"`: every turn.)
+
+    A NaN fraction (nothing measured: no turn was judged) fails the level: a count where no
+    turn is shown to meet the SLO is not one the server serves."""
     best = 0
     for n, good in table[column].items():
-        if good < min_good:
+        if not good >= min_good:   # NaN compares False both ways: `good < min_good` let it pass
             break
         best = int(n)
     return best

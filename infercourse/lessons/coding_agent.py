@@ -171,7 +171,8 @@ def first_overflow(engine, workload) -> dict[str, Any]:
     receives with the layer it names. The calls before it fit by count and are not sent."""
     n_ctx = slot_view(engine.root).get("n_ctx")
     need = [engine.count_tokens(r) for r in workload.requests]
-    k = next((i for i, n in enumerate(need) if n_ctx is not None and n > n_ctx), None)
+    # >=: llama-server refuses a prompt that fills its window (no room left for one token)
+    k = next((i for i, n in enumerate(need) if n_ctx is not None and n >= n_ctx), None)
     out = {"slot n_ctx": n_ctx, "call": k, "prompt_tokens": None if k is None else need[k],
            "last_fitting_call": (len(need) if k is None else k) - 1}
     if k is None:

@@ -33,6 +33,7 @@ import json
 import time
 import warnings
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -160,8 +161,10 @@ async def _sessions(engine, scripts, n_turns, replay, think_scale, stagger_s, de
             async for _ in engine.astream(w, client=client):
                 pass
         t0 = st.start()
+        # request ids: session k's turns follow every turn of sessions 0..k-1 (scripts differ in length)
+        first_ids = list(accumulate((len(s.turns[:n_turns]) for s in scripts), initial=0))
 
-        async def session(k: int, script: SessionScript):
+        async def session(k: int, script: SessionScript, first_id: int):
             ctx: list[dict] = []
             sched = t0 + k * stagger_s
             await asyncio.sleep(max(0.0, sched - time.perf_counter()))
@@ -171,7 +174,7 @@ async def _sessions(engine, scripts, n_turns, replay, think_scale, stagger_s, de
                 ctx += list(turn.added)
                 req = Request(messages=list(ctx), max_tokens=turn.max_tokens, seed=seed,
                               tools=list(script.tools) if script.tools else None)
-                rid = k * len(script.turns) + t
+                rid = first_id + t
                 await send_one(engine, client, rid, req, sched, st, addr,
                                {"session": k, "turn": t, "n_sessions": len(scripts), "replay": replay})
                 tr = st.by_id[rid]
@@ -180,7 +183,7 @@ async def _sessions(engine, scripts, n_turns, replay, think_scale, stagger_s, de
                 ctx.append(_carried(turn.reply, tr.text if replay == "live" else None))
                 await asyncio.sleep(turn.think_s * think_scale)   # the tool runs
                 sched = time.perf_counter()                 # the agent is ready: the next call is due
-        tasks = [asyncio.create_task(session(k, s)) for k, s in enumerate(scripts)]
+        tasks = [asyncio.create_task(session(k, s, first_ids[k])) for k, s in enumerate(scripts)]
         try:
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:
@@ -322,7 +325,8 @@ def sessions_summary(df: pd.DataFrame, slos: Mapping[str, float] | None = None) 
     """One run of N sessions in a row: sessions, turns ok / failed, sessions that finished
     every turn they started without a failure, cache hit rate over all turns and over
     turns after the first (the first can never hit: the salt), TTFT p50/p95, goodput (all
-    turns, and turns after the first)."""
+    turns, and turns after the first plus every failed turn: 0 when none succeeded; NaN only
+    when no turn after the first was planned and none failed, i.e. nothing to judge)."""
     from infercourse.core.summary import goodput, throughput
     ok = df[df["status"] == "ok"]
     lost = df.loc[df["status"] != "ok", "session"].nunique()
@@ -332,9 +336,11 @@ def sessions_summary(df: pd.DataFrame, slos: Mapping[str, float] | None = None) 
            **{k: v for k, v in _agg(df).items() if k.startswith("ttft")},
            "turns_per_s": throughput(df)["requests_per_s"] if len(df) else float("nan")}
     if slos:   # and over later turns: an agent's steady state, once its prefix is cached
+        # A failed turn counts wherever it fell: only a first turn's slowness is excused (a cold
+        # prefill), never its failure, and a session lost at its first turn sent no later one.
+        steady = df[(df["turn"] > 0) | (df["status"] != "ok")]
         with warnings.catch_warnings():   # "no request met the SLO" is this row's 0, not news
             warnings.simplefilter("ignore")
             out["good_fraction"] = goodput(df, slos)["good_fraction"]
-            out["good_fraction_later"] = goodput(df[df["turn"] > 0], slos)["good_fraction"] if len(later) \
-                else float("nan")
+            out["good_fraction_later"] = goodput(steady, slos)["good_fraction"] if len(steady) else float("nan")
     return out
