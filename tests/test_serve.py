@@ -41,10 +41,11 @@ def test_unknown_engine_is_a_usage_error():
     assert e.value.code == 2
 
 
-def _start(*extra):
+def _start(*extra, env=None):
     proc = subprocess.Popen([sys.executable, "-m", "infercourse", "serve", "llama", "--parallel", "1",
                              "--ctx", "512", "--threads", "1", *extra], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
     lines, url, pid = [], None, None
     for line in proc.stdout:                 # wait for the banner (model load included)
         lines.append(line)
@@ -78,22 +79,44 @@ def test_serves_until_signalled_then_leaves_nothing(sig):
 
 # -- a room's shared server: beyond loopback only with a key the server itself checks ---------
 @pytest.mark.parametrize("argv, message", [
-    (["llama", "--host", "0.0.0.0"], "give --api-key"),
-    (["vllm", "--host", "192.168.1.20"], "give --api-key"),
-    (["mlx", "--api-key", "k"], "mlx_lm.server cannot check an API key"),
-    (["mlx", "--host", "0.0.0.0", "--api-key", "k"], "mlx_lm.server cannot check an API key"),
+    (["llama", "--host", "0.0.0.0"], "set INFERCOURSE_API_KEY or give --api-key-file"),
+    (["vllm", "--host", "192.168.1.20"], "set INFERCOURSE_API_KEY or give --api-key-file"),
+    (["mlx", "--api-key-file", "{keyfile}"], "mlx_lm.server cannot check an API key"),
+    (["mlx", "--host", "0.0.0.0", "--api-key-file", "{keyfile}"], "mlx_lm.server cannot check an API key"),
     (["llama", "--", "--host", "0.0.0.0"], "not after `--`"),
-    (["llama", "--host", "0.0.0.0", "--api-key", "k", "--", "--api-key=other"], "not after `--`"),
+    (["llama", "--host", "0.0.0.0", "--api-key-file", "{keyfile}", "--", "--api-key=other"], "not after `--`"),
+    # a key in serve's own argv is readable by every user (`ps`), whatever the server does with it
+    (["llama", "--host", "0.0.0.0", "--api-key", "k"], "visible"),
+    (["llama", "--api-key=k"], "visible"),
 ])
-def test_sharing_without_a_checked_key_is_refused_while_parsing(argv, message, capsys, monkeypatch):
+def test_sharing_without_a_checked_key_is_refused_while_parsing(argv, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("INFERCOURSE_API_KEY", raising=False)
     monkeypatch.setattr(serve, "make_server", lambda *a: pytest.fail("got past the argument check"))
+    (tmp_path / "key").write_text("k\n")
     with pytest.raises(SystemExit) as e:
-        serve.serve_main(argv)
+        serve.serve_main([x.format(keyfile=tmp_path / "key") for x in argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_the_key_goes_to_the_servers_own_option_and_never_to_the_record():
-    a = serve.serve_parser().parse_args(["llama", "--host", "0.0.0.0", "--api-key", "s3cret-room-key"])
+def test_the_key_comes_from_the_environment_or_a_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("INFERCOURSE_API_KEY", "from-env")
+    assert serve.serve_parser().parse_args(["llama"]).api_key == "from-env"
+    (tmp_path / "key").write_text("from-file\n")          # the newline an editor leaves is not part of it
+    a = serve.serve_parser().parse_args(["llama", "--api-key-file", str(tmp_path / "key")])
+    assert a.api_key == "from-file"                          # the file, named on purpose, wins
+    monkeypatch.delenv("INFERCOURSE_API_KEY")
+    assert serve.serve_parser().parse_args(["llama"]).api_key is None
+    for bad, why in [("missing", "cannot read"), ("empty", "one key on one line")]:
+        if bad == "empty":
+            (tmp_path / bad).write_text("\n")
+        with pytest.raises(SystemExit):
+            serve.serve_parser().parse_args(["llama", "--api-key-file", str(tmp_path / bad)])
+        assert why in capsys.readouterr().err
+
+
+def test_the_key_goes_to_the_servers_own_option_and_never_to_the_record(monkeypatch):
+    monkeypatch.setenv("INFERCOURSE_API_KEY", "s3cret-room-key")
+    a = serve.serve_parser().parse_args(["llama", "--host", "0.0.0.0"])
     srv = serve.make_server(a, [])
     argv = srv.argv()
     assert argv[argv.index("--host") + 1] == "0.0.0.0"
@@ -122,11 +145,13 @@ def test_a_server_without_a_key_flag_cannot_be_shared():
 @pytest.mark.slow
 def test_shared_server_checks_the_key_on_every_request():
     """On loopback (tests never listen beyond it), with the key: a request without it is 401,
-    with it 200, and the key is in neither the banner, the log nor the server's command line."""
-    proc, url, port, pid = _start("--host", "127.0.0.1", "--api-key", "room-key-123")
+    with it 200, and the key is in neither the banner, the log, serve's nor the server's
+    command line."""
+    proc, url, port, pid = _start("--host", "127.0.0.1", env={"INFERCOURSE_API_KEY": "room-key-123"})
     body = {"prompt": "Hi", "max_tokens": 2}
     try:
         assert "room-key-123" not in " ".join(psutil.Process(pid).cmdline())
+        assert "room-key-123" not in " ".join(psutil.Process(proc.pid).cmdline())
         assert httpx.get(url + "/health", timeout=10).status_code == 200   # health stays public
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 401
         bad = {"Authorization": "Bearer wrong"}

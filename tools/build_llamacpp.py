@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -103,6 +104,21 @@ def fetch_sources(ver: str) -> Path:
     return tree
 
 
+def check_python() -> None:
+    """`extractall(filter="data")` (no member may land outside the folder) came in Python
+    3.10.12, 3.11.4 and 3.12; an older interpreter gets a sentence here, not a TypeError."""
+    if not hasattr(tarfile, "data_filter"):
+        sys.exit(f"build_llamacpp: Python {platform.python_version()} has no tarfile extraction filters; "
+                 "use Python 3.10.12+ or 3.11.4+ (or any 3.12+)")
+
+
+def configured(build: Path, ninja: bool) -> bool:
+    """Whether a configure of `build` finished. CMake writes CMakeCache.txt early, so a failed
+    configure (-DGGML_CUDA=ON without nvcc) leaves one; the generator's file (build.ninja,
+    or Makefile without Ninja) is written last, only by a configure that succeeded."""
+    return (build / ("build.ninja" if ninja else "Makefile")).is_file()
+
+
 def tool(name: str) -> str | None:
     """A build tool from this venv (ninja, cmake, ccache wheels) before the system's."""
     here = Path(sys.executable).parent / name
@@ -123,7 +139,11 @@ def configure(tree: Path, user_args: list[str], log) -> Path:
     build = cache_dir() / "llama.cpp" / f"build-{key}"
     build.mkdir(parents=True, exist_ok=True)
     (build / "infercourse-args.json").write_text(json.dumps(BASE_ARGS + user_args))
-    if not (build / "CMakeCache.txt").is_file():
+    if not configured(build, ninja=bool(ninja)):
+        # What an unfinished configure cached (failed probes, another generator) would make
+        # this one fail too: start from a clean cache. The compiled objects stay.
+        (build / "CMakeCache.txt").unlink(missing_ok=True)
+        shutil.rmtree(build / "CMakeFiles", ignore_errors=True)
         say(f"configuring in {build}")
         r = subprocess.run([cmake, "-S", str(tree / "vendor" / "llama.cpp"), "-B", str(build)] + args,
                            stdout=log, stderr=subprocess.STDOUT)
@@ -227,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra CMake flags, e.g. -DGGML_CUDA=ON (default: $LLAMA_CMAKE_ARGS)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     a = ap.parse_args(argv)
+    check_python()
     ver = a.version or pinned_version()
     t0 = time.monotonic()
     logdir = cache_dir() / "llama.cpp"

@@ -15,10 +15,13 @@ Anything after `--` goes to the server unchanged.
 
 A workshop's shared server listens beyond loopback, and then it must check a key:
 
-    infercourse serve llama --host 0.0.0.0 --api-key "$ROOM_KEY" --parallel 8
+    INFERCOURSE_API_KEY="$ROOM_KEY" infercourse serve llama --host 0.0.0.0 --parallel 8
+    infercourse serve llama --host 0.0.0.0 --api-key-file ~/.room-key --parallel 8
 
-`--host` other than 127.0.0.1 is refused without `--api-key` (or $INFERCOURSE_API_KEY); the key
-goes to the server's own `--api-key`, so llama-server and vLLM check it on every request
+`--host` other than 127.0.0.1 is refused without a key. The key comes from $INFERCOURSE_API_KEY
+or a file, never from serve's command line, which `ps` shows to every user of the machine
+(`--api-key KEY` is refused for that reason). It goes to the server's own key option, through
+the variable the server reads for it, so llama-server and vLLM check it on every request
 (learners pass it as `OpenAIHTTPEngine(url, api_key=...)` or `bench --api-key`).
 mlx_lm.server has no such option and is refused as a shared server.
 """
@@ -36,7 +39,7 @@ __all__ = ["serve_parser", "make_server", "serve_main"]
 
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infercourse serve", description=(
-        "Run one inference server on 127.0.0.1 (a room's shared server: --host with --api-key) in "
+        "Run one inference server on 127.0.0.1 (a room's shared server: --host with a key) in "
         "the foreground: print its URL, log to a file, stop it on Ctrl-C or SIGTERM. Arguments "
         "after `--` go to the server as they are."))
     p.add_argument("engine", choices=["llama", "mlx", "vllm"],
@@ -60,11 +63,33 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="with --replicas: the router's policy (cache_aware, round_robin, power_of_two...)")
     g = p.add_argument_group("a room's shared server")
     g.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1); a LAN address or 0.0.0.0 needs --api-key")
-    g.add_argument("--api-key", default=os.environ.get("INFERCOURSE_API_KEY") or None,
-                   help="key the server checks on every request, as `Authorization: Bearer KEY` "
-                        "(default $INFERCOURSE_API_KEY); never written to the log")
+                   help="address to listen on (default 127.0.0.1); a LAN address or 0.0.0.0 needs a key "
+                        "($INFERCOURSE_API_KEY or --api-key-file)")
+    # The key the server checks on every request (`Authorization: Bearer KEY`): from the
+    # environment or a file, never from argv, which `ps` shows to every user of the machine.
+    p.set_defaults(api_key=os.environ.get("INFERCOURSE_API_KEY") or None)
+    g.add_argument("--api-key-file", metavar="FILE", action=_KeyFile,
+                   help="file holding the key the server checks on every request, as `Authorization: "
+                        "Bearer KEY` (default: $INFERCOURSE_API_KEY); never written to the log")
+    # Kept only to refuse it: without it argparse would take `--api-key K` as an
+    # abbreviation of --api-key-file and read a file named K.
+    g.add_argument("--api-key", dest="api_key_on_argv", metavar="KEY",
+                   help="refused: a key on the command line is visible in `ps`; use $INFERCOURSE_API_KEY "
+                        "or --api-key-file")
     return p
+
+
+class _KeyFile(argparse.Action):
+    """`--api-key-file FILE`: the file's one line becomes `api_key`."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        try:
+            key = Path(value).expanduser().read_text().strip()
+        except OSError as e:
+            parser.error(f"--api-key-file: cannot read {value}: {e.strerror or e}")
+        if not key or "\n" in key:
+            parser.error(f"--api-key-file: {value} must hold one key on one line")
+        setattr(namespace, "api_key", key)
 
 
 def _check_sharing(p: argparse.ArgumentParser, a: argparse.Namespace, extra: list[str]) -> None:
@@ -73,14 +98,17 @@ def _check_sharing(p: argparse.ArgumentParser, a: argparse.Namespace, extra: lis
     passed = [f for f in extra if f.split("=")[0] in ("--host", "--api-key", "--api-key-file")]
     if passed:
         p.error(f"give {passed[0].split('=')[0]} to serve itself, not after `--`: serve checks it")
+    if getattr(a, "api_key_on_argv", None):
+        p.error("--api-key KEY puts the key on serve's command line, visible to every user of this "
+                "machine (`ps`): set INFERCOURSE_API_KEY or give --api-key-file FILE")
     if a.engine == "mlx" and (a.api_key or not is_loopback(a.host)):
         p.error("mlx_lm.server cannot check an API key, so it cannot be a shared server: "
                 "use `serve llama` or `serve vllm` for the room")
     if getattr(a, "replicas", 1) > 1 and (a.api_key or not is_loopback(a.host)):
         p.error("a replica group's router does not check an API key: share one server (drop --replicas)")
     if not is_loopback(a.host) and not a.api_key:
-        p.error(f"--host {a.host} lets anyone who can reach it use the server: give --api-key KEY "
-                "(or set INFERCOURSE_API_KEY)")
+        p.error(f"--host {a.host} lets anyone who can reach it use the server: set INFERCOURSE_API_KEY "
+                "or give --api-key-file FILE")
 
 
 def make_server(a: argparse.Namespace, extra: list[str]):

@@ -15,9 +15,11 @@ last lines of its log, which is where the reason always is.
 
 A workshop's shared server is the one exception to 127.0.0.1: `host=` a LAN address (or
 0.0.0.0), which is refused without `api_key=`. The key goes to the server's own option
-(llama-server's `--api-key`, through its environment variable LLAMA_API_KEY so that `ps`
-does not show it; vLLM's `--api-key`), so the server itself checks it on every request; a
-server without such an option cannot be shared, and says so.
+through the environment variable the server reads for it (llama-server: LLAMA_API_KEY,
+vLLM: VLLM_API_KEY), never on the command line, where `ps` shows it to every user; the
+server itself checks it on every request. A server without such an option cannot be
+shared, and says so. The same variable left in the learner's shell is removed from every
+server started without `api_key=`: otherwise /health answers 200 and every request is 401.
 """
 from __future__ import annotations
 
@@ -144,6 +146,16 @@ class Server:
     def log_tail(self, n: int = 30) -> str:
         return _tail(self.log_path, n)
 
+    def child_env(self) -> dict[str, str]:
+        """The server's environment: ours, less the variable its key option reads, plus `env`.
+
+        A LLAMA_API_KEY (VLLM_API_KEY) exported in the learner's shell, for some other
+        server, would make every course server demand it: /health passes (it is public),
+        then every request gets 401. So it reaches the server only through `api_key=`.
+        """
+        env = {k: v for k, v in os.environ.items() if k != self.api_key_env}
+        return {**env, **self.env}
+
     def start(self) -> "Server":
         """Launch under the watchdog and wait until healthy; raises ServerLayerError."""
         if self.running:
@@ -157,7 +169,7 @@ class Server:
             # stdin=PIPE: only we hold the write end, so the watchdog reads EOF when we die
             self.proc = subprocess.Popen(
                 [sys.executable, _watchdog.__file__, "--", *argv], stdin=subprocess.PIPE,
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+                stdout=log, stderr=subprocess.STDOUT, env=self.child_env())
         _RUNNING.add(self)
         self._wait_healthy()
         return self

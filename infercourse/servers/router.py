@@ -165,7 +165,10 @@ class ReplicaGroup:
                 s.start()
             self.router.start()
         except BaseException:
-            self.stop()
+            try:
+                self.stop()     # a partial start: stop what did start, even on Ctrl-C
+            except BaseException:  # noqa: BLE001 - the start's own error is the one to report
+                pass
             raise
         return self
 
@@ -181,12 +184,20 @@ class ReplicaGroup:
             self.router.start()
 
     def stop(self) -> None:
-        """Router first (no new requests), then every replica; each stop is attempted."""
+        """Router first (no new requests), then every replica; each stop is attempted.
+
+        A second Ctrl-C while the group stops (KeyboardInterrupt is a BaseException, not an
+        Exception) must not leave the remaining replicas running: every child is stopped,
+        then the first interruption or error is raised again.
+        """
+        first: BaseException | None = None
         for s in [self.router, *self.replicas]:
             try:
                 s.stop()
-            except Exception:  # noqa: BLE001 - one failed stop must not leave the others running
-                pass
+            except BaseException as e:  # noqa: BLE001 - one failed stop must not leave the others running
+                first = first or e
+        if first is not None:
+            raise first
 
     def __enter__(self) -> "ReplicaGroup":
         return self.start()

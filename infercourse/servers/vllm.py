@@ -107,7 +107,9 @@ class VLLMServer(Server):
     """
 
     name = "vllm"
-    api_key_flag = "--api-key"    # vLLM checks it on every /v1 route
+    # --api-key, checked on every /v1 route; given as VLLM_API_KEY, which vLLM reads for the
+    # same option, so the key is not on the command line (`ps` shows that to every user)
+    api_key_flag, api_key_env = "--api-key", "VLLM_API_KEY"
     startup_timeout_s = 600.0
 
     def __init__(self, model_hf_folder: str | Path, python: str | Path | None = None,
