@@ -95,7 +95,7 @@ def test_changed_most_needs_a_change_beyond_the_routes_aa_floor():
     base = pd.concat([_replay("C", [1.0, 2.0, 3.0]), _replay("D", [1.0, 1.0, 1.0])])
     again = pd.concat([_replay("C", [1.1, 2.0 / 1.1, 3.3]), _replay("D", [1.6, 0.7, 1.5])])   # D is noisy
     floor = capstone.floors(base, again)
-    assert floor["C"] == pytest.approx(0.1) and floor["D"] == pytest.approx(0.6)
+    assert floor["C"].floor == pytest.approx(0.1) and floor["D"].floor == pytest.approx(0.6)
     # D x1.5 by chance, within its floor; C +40%, beyond its floor of 10%: C is named
     inc = pd.concat([_replay("C", [1.4, 2.8, 4.2]), _replay("D", [1.5, 1.5, 1.5])])
     route, why = capstone.changed_most(base, inc, floor)

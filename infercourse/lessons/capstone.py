@@ -147,13 +147,16 @@ def _per_call(df: pd.DataFrame, route: str, metric: str = "e2e_s") -> pd.Series:
     return ok.set_index("request_id")[metric]
 
 
-def floors(baseline: pd.DataFrame, again: pd.DataFrame, metric: str = "e2e_s") -> dict[str, float]:
-    """Each route's A/A noise floor: the baseline replay against its repeat, call by call."""
+def floors(baseline: pd.DataFrame, again: pd.DataFrame, metric: str = "e2e_s") -> dict[str, "noise.NoiseFloor | None"]:
+    """Each route's A/A noise floor: the baseline replay against its repeat, call by call.
+    The whole `NoiseFloor` (its `.floor` is the band): `changed_most` hands it to
+    `noise.compare`, whose paired test needs the A/A trials, not only the band (the band
+    alone can never pass with fewer than 6 calls)."""
     out = {}
     for route in sorted(set(baseline["route"]) & set(again["route"])):
         both = pd.concat([_per_call(baseline, route, metric), _per_call(again, route, metric)], axis=1,
                          join="inner").dropna()
-        out[route] = noise.noise_floor(both.iloc[:, 0], both.iloc[:, 1]).floor if len(both) else float("nan")
+        out[route] = noise.noise_floor(both.iloc[:, 0], both.iloc[:, 1]) if len(both) else None
     return out
 
 
@@ -164,7 +167,7 @@ def changed_most(baseline: pd.DataFrame, incident: pd.DataFrame,
 
     Args:
         baseline, incident: `replay` frames (a `route` column), the same calls.
-        floor: {route: A/A noise floor}; None or a missing route: 0 (no floor, said so).
+        floor: {route: its `NoiseFloor` from `floors`}; None or a missing route: 0 (no floor, said so).
     """
     b, i = summarize(baseline), summarize(incident)
     new_errors = (i["errors"] - b["errors"].reindex(i.index).fillna(0)).sort_values(ascending=False)
@@ -175,7 +178,7 @@ def changed_most(baseline: pd.DataFrame, incident: pd.DataFrame,
     for route in i.index:
         both = pd.concat([_per_call(baseline, route), _per_call(incident, route)], axis=1, join="inner").dropna()
         if len(both):
-            c = noise.compare(both.iloc[:, 0], both.iloc[:, 1], (floor or {}).get(route, 0.0),
+            c = noise.compare(both.iloc[:, 0], both.iloc[:, 1], (floor or {}).get(route) or 0.0,
                               labels=("baseline", "incident"))
             if c.verdict == "baseline faster":
                 beyond[route] = c

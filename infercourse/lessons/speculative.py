@@ -222,20 +222,25 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
     lookup_acceptance and lookup_tokens_per_step (replayed prompt-lookup drafter, for
     configs using it), speed_up (baseline e2e / e2e, same prompt: the median paired ratio
     over `repeats`) and identical_output (text equal to the baseline's). With repeats >= 2
-    each baseline runs once more at the end (its A/A rerun: engines are built one at a time,
-    so the rerun brackets the others in time), and each row gets `speed_up_lo`/`_hi`,
+    each baseline also runs as its own A/A rerun, and each row gets `speed_up_lo`/`_hi`,
     `noise_floor` (the A/A floor for that baseline and prompt) and `verdict`
-    (`measure.noise.compare`).
+    (`measure.noise.compare`: the baseline, its rerun and the config tested as one block).
+
+    The repeats run in rounds (`measure.noise.schedule`, ABBA): each round builds every
+    configuration once, warms it, runs every prompt once and drops it, and each round's
+    order is the previous one's mirror. Pair i is round i, minutes apart at most, and a
+    machine that drifts during the run cannot favour whichever configuration ran first.
+    An odd `repeats` (> 1) gets one more round, so the mirrors pair up.
 
     Args:
         engine_factories: {config name: zero-argument callable returning an engine};
-            engines are built one at a time and dropped after use.
+            engines are built one at a time (memory for one) and dropped after use.
         prompts: {label: user message}.
         max_tokens: tokens per request (greedy, forced length so runs are comparable).
         baselines: {config: its baseline config}; default: the first config for all.
         lookup_k: tokens the lookup drafter proposes, for the replay.
         writer: optional `results.RunWriter` for the request traces.
-        repeats: requests per (config, prompt); e2e_s is their median.
+        repeats: rounds, i.e. requests per (config, prompt); e2e_s is their median.
     """
     import gc
 
@@ -244,6 +249,7 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
     from infercourse.core.types import Request
     from infercourse.core.metrics import decode_tok_per_s, e2e_s
     from infercourse.core.trace import record
+    from infercourse.measure import noise
 
     names = list(engine_factories)
     if not names or not prompts:
@@ -251,13 +257,13 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
     baselines = dict(baselines or {n: names[0] for n in names})
     aa = {f"{b} (A/A)": b for b in dict.fromkeys(baselines.values())} if repeats > 1 else {}
     rows = []
-    for name in names + list(aa):
+    for rep, name in noise.schedule(names + list(aa), repeats):     # rounds, mirrored: drift cancels
         engine = engine_factories[aa.get(name, name)]()
         flags = getattr(engine, "flags", {})
         uses_lookup = "prompt-lookup" in (flags.get("draft"), flags.get("assistant"))
         warm = Request(messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         list(engine.stream(warm))  # first call pays one-off costs (allocations, kernels)
-        for rep, (label, text) in ((r, kv) for r in range(repeats) for kv in prompts.items()):
+        for label, text in prompts.items():
             req = Request(messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
                           ignore_eos=True, cache_prompt=False)
             tr = record(engine, req, request_id=len(rows), raise_errors=True, config=name, prompt=label)
@@ -271,9 +277,9 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
                    "text": tr.text}
             if uses_lookup:
                 ctx, out = output_ids(engine, req, tr.text)
-                rep = replay_acceptance(ctx, out, lookup_proposer(lookup_k))
-                row.update(lookup_acceptance=rep["acceptance_rate"],
-                           lookup_tokens_per_step=rep["tokens_per_step"])
+                replay = replay_acceptance(ctx, out, lookup_proposer(lookup_k))
+                row.update(lookup_acceptance=replay["acceptance_rate"],
+                           lookup_tokens_per_step=replay["tokens_per_step"])
             rows.append(row)
         if hasattr(getattr(engine, "llm", None), "close"):
             engine.llm.close()  # free llama.cpp memory now, not at interpreter exit
