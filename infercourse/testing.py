@@ -4,6 +4,9 @@
 127.0.0.1 that answers instantly and on an exact clock. It is what the client-ceiling probe
 (`roofline.chunks_per_second`) reads from, and what the load-generator tests aim at. It is
 never a model: nothing here pretends to generate text.
+
+`ScriptedSSE` replays a fixed list of SSE events, byte for byte (any API, any line
+endings), for tests of what sits between a client and a server.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Any
 from infercourse.core.errors import ServerLayerError
 from infercourse.servers import free_port
 
-__all__ = ["SSESource", "process_gone", "port_closed"]
+__all__ = ["SSESource", "ScriptedSSE", "process_gone", "port_closed"]
 
 _SSE_SERVER = r"""
 import asyncio, json, sys
@@ -144,3 +147,65 @@ def port_closed(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
+
+class ScriptedSSE:
+    """A stand-in streaming server (a thread on 127.0.0.1) that replays the same SSE events,
+    byte for byte, to every POST, one event per HTTP chunk, `gap_s` apart; `GET` lists one
+    model ("scripted"). The events are raw bytes so a test picks the framing: OpenAI
+    `data:` events, Anthropic `event:` + `data:` events, LF or CRLF line endings.
+
+    Args:
+        events: each event as sent, blank line included (e.g. b"data: {...}\\r\\n\\r\\n").
+        gap_s: pause after each event, so a reader downstream gets them one at a time.
+    """
+
+    def __init__(self, events: list[bytes], gap_s: float = 0.01):
+        self.events, self.gap_s = list(events), gap_s
+        self.posts = 0
+        self._server: Any = None
+
+    def __enter__(self) -> "ScriptedSSE":
+        import threading
+        import time
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                body = b'{"data": [{"id": "scripted"}]}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                owner.posts += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                try:
+                    for ev in owner.events:
+                        self.wfile.write(b"%X\r\n%s\r\n" % (len(ev), ev))
+                        self.wfile.flush()
+                        time.sleep(owner.gap_s)
+                    self.wfile.write(b"0\r\n\r\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    pass   # the client (or a fault proxy) hung up mid-stream
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="scripted-sse").start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._server.shutdown()
+        self._server.server_close()

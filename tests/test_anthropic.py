@@ -49,7 +49,7 @@ LLAMA = [
                                                        "input": {}}),
     _json(1, '{"path":'), _json(1, ' "a.py"}'),
     _ev("content_block_stop", index=0), _ev("content_block_stop", index=1),
-    _ev("message_delta", delta={"stop_reason": "tool_use", "stop_sequence": None}, usage={"output_tokens": 4}),
+    _ev("message_delta", delta={"stop_reason": "tool_use", "stop_sequence": None}, usage={"output_tokens": 5}),
     _ev("message_stop"),
 ]
 # vLLM: message_start carries the whole prompt as input_tokens, message_delta repeats usage;
@@ -79,6 +79,30 @@ OLLAMA = [
 AS_TEXT = [LLAMA[0], LLAMA[1], _text(0, '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}'),
            _text(0, "\n</tool_call>"), _ev("content_block_stop", index=0),
            _ev("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 3}), _ev("message_stop")]
+# extended thinking (the Anthropic API's shape; llama-server sends the same blocks with an
+# empty signature): a thinking block, its signature, then the answer
+THINKING = [
+    LLAMA[0],
+    _ev("content_block_start", index=0, content_block={"type": "thinking", "thinking": "", "signature": ""}),
+    _ev("content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": "The user"}),
+    _ev("content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": " wants hi."}),
+    _ev("content_block_delta", index=0, delta={"type": "signature_delta", "signature": "EqQBCgIYAhIM1gbcDa9GJwZA"}),
+    _ev("content_block_stop", index=0),
+    _ev("content_block_start", index=1, content_block={"type": "text", "text": ""}),
+    _text(1, "Hi"), _text(1, "!"),
+    _ev("content_block_stop", index=1),
+    _ev("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 4}),
+    _ev("message_stop"),
+]
+# a tool call with empty input, sent whole in content_block_start: no input_json_delta at all
+EMPTY_CALL = [
+    LLAMA[0],
+    _ev("content_block_start", index=0, content_block={"type": "tool_use", "id": "t9", "name": "list_files",
+                                                       "input": {}}),
+    _ev("content_block_stop", index=0),
+    _ev("message_delta", delta={"stop_reason": "tool_use"}, usage={"output_tokens": 1}),
+    _ev("message_stop"),
+]
 
 
 def _sse(events, stop=True) -> bytes:
@@ -91,7 +115,7 @@ class _StandIn(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     bodies: list[dict] = []
-    scripts = {"llama": LLAMA, "vllm": VLLM, "ollama": OLLAMA, "astext": AS_TEXT}
+    scripts = {"llama": LLAMA, "vllm": VLLM, "ollama": OLLAMA, "astext": AS_TEXT, "thinking": THINKING}
 
     def log_message(self, *a):
         pass
@@ -121,6 +145,19 @@ class _StandIn(BaseHTTPRequestHandler):
             self._send(400, json.dumps({"type": "error", "error": {"type": "exceed_context_size_error",
                        "message": "request (9000 tokens) exceeds the available context size (8192 tokens)"}}
                        ).encode(), "application/json")
+        elif mode == "toolong":           # the Anthropic API's own overflow reply
+            self._send(400, json.dumps({"type": "error", "error": {"type": "invalid_request_error",
+                       "message": "prompt is too long: 208310 tokens > 200000 maximum"}}).encode(),
+                       "application/json")
+        elif mode == "nojinja":           # llama-server started with --no-jinja, asked for tools
+            self._send(500, json.dumps({"error": {"code": 500, "type": "server_error",
+                       "message": "tools param requires --jinja flag"}}).encode(), "application/json")
+        elif mode == "badschema":         # an API error that names a tool but refuses nothing
+            self._send(400, json.dumps({"type": "error", "error": {"type": "invalid_request_error",
+                       "message": "tools.0.custom.input_schema: Field required"}}).encode(), "application/json")
+        elif mode == "bareerror":         # an error event with no `event:` line, after two deltas
+            self._send(200, _sse(LLAMA[:4], stop=False) + b'data: {"type": "error", "error": '
+                       b'{"type": "overloaded_error", "message": "Overloaded"}}\n\n')
         elif mode == "miderror":
             self._send(200, _sse(LLAMA[:3], stop=False) + b'event: error\ndata: {"type": "error", "error": '
                        b'{"type": "api_error", "message": "slot crashed"}}\n\n')
@@ -145,10 +182,11 @@ def test_llama_server_stream_usage_and_tool_use(standin):
     events = _run(standin + "/llama")
     final, chunks = events[-1], events[:-1]
     assert "".join(e.text for e in chunks) == "I'll read it. Now."
-    assert [e.n_tokens for e in chunks] == [1, 1, 1, 1]            # tool input pieces count as tokens
+    # the tool's name (content_block_start) and its input pieces count as tokens, as on the OpenAI API
+    assert [e.n_tokens for e in chunks] == [1, 1, 1, 1, 1]
     assert all(a.t <= b.t for a, b in zip(events, events[1:]))
     u = final.usage
-    assert (u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.source) == (100, 90, 4, "server")
+    assert (u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.source) == (100, 90, 5, "server")
     assert final.finish_reason == "tool_calls" and final.timings["stop_reason"] == "tool_use"
     assert final.timings["tool_calls"] == [{"id": "t1", "name": "read_file", "input": {"path": "a.py"},
                                             "arguments": '{"path": "a.py"}', "error": None}]
@@ -179,7 +217,9 @@ def test_tool_call_written_as_text_is_flagged(standin):
 @pytest.mark.parametrize("mode, err, match", [
     ("nomessages", APILayerError, "no Anthropic Messages API"),
     ("ctx", ContextLayerError, "exceeds the available context"),
+    ("toolong", ContextLayerError, "prompt is too long"),
     ("miderror", APILayerError, "slot crashed"),
+    ("bareerror", APILayerError, "Overloaded"),
     ("nostop", APILayerError, "without message_stop"),
 ])
 def test_failures_name_their_layer(standin, mode, err, match):
@@ -187,8 +227,104 @@ def test_failures_name_their_layer(standin, mode, err, match):
         _run(standin + "/" + mode)
     if mode == "miderror":
         assert [e.text for e in info.value.partial] == ["I'll read it."]   # what arrived is kept
+    if mode == "bareerror":
+        assert [e.text for e in info.value.partial] == ["I'll read it.", " Now."]
     if mode == "nomessages":
         assert "proxy" in info.value.hint
+
+
+def _feed(script, names=(), t0=1.0):
+    """Feed a script to the parser (tools `names` offered), event i at time t0 + i;
+    (events out, final event)."""
+    from infercourse.engines.anthropic_stream import Parser
+    p = Parser("stand-in", list(names))
+    out = [ev for i, (k, d) in enumerate(script) if (ev := p.feed(k, json.dumps(d), t0 + i)) is not None]
+    return out, p.final(t0 + len(script))
+
+
+def test_thinking_is_tokens_not_answer_text():
+    """Thinking deltas are tokens the model generated (they count for TTFT and the token
+    check) but not the answer a user reads; the signature is the API's, not a token."""
+    events, final = _feed(THINKING)
+    assert "".join(e.text for e in events) == "Hi!"
+    assert [(e.t, e.text, e.n_tokens) for e in events] == [(3.0, "", 1), (4.0, "", 1), (8.0, "Hi", 1),
+                                                           (9.0, "!", 1)]
+    assert final.usage.source == "server" and final.finish_reason == "stop"
+    assert final.timings["tool_calls"] == [] and final.timings["tool_call_as_text"] is None
+
+
+def _openai_feed(chunks, names=(), t0=1.0):
+    from infercourse.engines.openai_stream import Parser
+    p = Parser("chat", "stand-in", list(names))
+    out = [ev for i, c in enumerate(chunks) if (ev := p.feed(c if isinstance(c, str) else json.dumps(c), t0 + i))]
+    return out, p.final(t0 + len(chunks))
+
+
+def _oa_call(**piece):
+    return {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **piece}]}, "finish_reason": None}]}
+
+
+# the same call on llama-server's OpenAI API: a role chunk, the name, the arguments in pieces
+OA_CALL = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}]},
+           _oa_call(id="t1", type="function", function={"name": "read_file", "arguments": ""}),
+           _oa_call(function={"arguments": '{"path":'}), _oa_call(function={"arguments": ' "a.py"}'}),
+           {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}, "[DONE]"]
+AN_CALL = [LLAMA[0], LLAMA[4], LLAMA[5], LLAMA[6], _ev("content_block_stop", index=1),
+           _ev("message_delta", delta={"stop_reason": "tool_use"}), _ev("message_stop")]
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_tool_call_ttft_is_the_name_on_both_apis(empty):
+    """On both APIs the first token of a tool call is the chunk that names the tool (time
+    2.0 in both scripts), with or without input after it."""
+    from infercourse.core.metrics import ttft_s
+    from infercourse.core.trace import trace_from_events
+    oa = OA_CALL[:2] + OA_CALL[4:] if empty else OA_CALL
+    an = AN_CALL[:2] + AN_CALL[4:] if empty else AN_CALL
+    got = {}
+    fed = {"openai": _openai_feed(oa, ["read_file"]), "anthropic": _feed(an, ["read_file"])}
+    for api, (events, final) in fed.items():
+        call = final.timings["tool_calls"][0]
+        assert (call["name"], call["input"], call["error"]) == ("read_file", {} if empty else {"path": "a.py"}, None)
+        got[api] = ttft_s(trace_from_events(events + [final], request_id=0, scheduled_t=0.0, sent_t=0.0))
+    assert got == {"openai": 2.0, "anthropic": 2.0}
+
+
+def test_empty_input_call_sent_whole_has_a_first_token():
+    events, final = _feed(EMPTY_CALL, ["read_file"])
+    assert [(e.t, e.n_tokens) for e in events] == [(2.0, 1)]          # the name, at content_block_start
+    assert final.timings["tool_calls"] == [{"id": "t9", "name": "list_files", "input": {}, "arguments": "",
+                                            "error": None}]
+    assert final.usage.source == "server"                              # one token event, one output token
+
+
+def test_input_sent_whole_in_content_block_start_is_kept():
+    """Some servers put the whole input in content_block_start and send no delta: it must
+    survive content_block_stop (it used to become {})."""
+    script = [LLAMA[0], _ev("content_block_start", index=0, content_block={
+        "type": "tool_use", "id": "t2", "name": "read_file", "input": {"path": "c.py"}}),
+        _ev("content_block_stop", index=0), _ev("message_delta", delta={"stop_reason": "tool_use"}),
+        _ev("message_stop")]
+    _, final = _feed(script, ["read_file"])
+    call = final.timings["tool_calls"][0]
+    assert call["input"] == {"path": "c.py"} and call["error"] is None
+    assert json.loads(call["arguments"]) == {"path": "c.py"}
+    # deltas, when sent, win over the placeholder {} of content_block_start
+    assert _feed(AN_CALL, ["read_file"])[1].timings["tool_calls"][0]["input"] == {"path": "a.py"}
+
+
+def test_context_window_stop_reason_means_length():
+    script = VLLM[:-2] + [_ev("message_delta", delta={"stop_reason": "model_context_window_exceeded"},
+                              usage={"output_tokens": 2}), _ev("message_stop")]
+    _, final = _feed(script)
+    assert final.finish_reason == "length"
+    assert final.timings["stop_reason"] == "model_context_window_exceeded"
+
+
+def test_json_answer_is_a_text_call_only_when_tools_were_offered():
+    script = VLLM[:3] + [_text(0, '{"name": "read_file", "path": "a.py"}')] + VLLM[4:]
+    assert _feed(script)[1].timings["tool_call_as_text"] is None          # no tools: just an answer
+    assert _feed(script, ["read_file"])[1].timings["tool_call_as_text"] == '{"name":'
 
 
 def test_request_headers_body_and_count_tokens(standin):
@@ -283,7 +419,7 @@ def test_our_request_is_a_valid_sdk_request():
             _sdk_validate({**body, "messages": [bad]})
 
 
-@pytest.mark.parametrize("script", [LLAMA, VLLM, OLLAMA])
+@pytest.mark.parametrize("script", [LLAMA, VLLM, OLLAMA, THINKING, EMPTY_CALL])
 def test_documented_streams_parse_as_sdk_events(script):
     anthropic = pytest.importorskip("anthropic")
     from pydantic import TypeAdapter
@@ -309,6 +445,41 @@ def test_grade_tool_call_as_text_fails_at_model():
     good = {**ok_stream, "tool_calls": [{"name": "get_time", "input": {"zone": "UTC"}, "error": None}]}
     api, model = grade_messages({"stream": good, "count_tokens": {"ok": False}})
     assert api.status == "warn" and model.status == "ok"
+
+
+def test_grade_parsed_call_outranks_an_equal_count():
+    """A server whose count_tokens ignores tools, with a call that parsed: the tools reached
+    the model, so the model check passes (and says the count leaves them out)."""
+    ok_stream = {"ok": True, "event_types": list(EXPECTED_EVENTS),
+                 "tool_calls": [{"name": "get_time", "input": {"zone": "UTC"}, "error": None}]}
+    _, model = grade_messages({"stream": ok_stream, "count_tokens": {"ok": True, "tools_in_prompt": False}})
+    assert model.status == "ok" and "leaves the tools out" in model.summary
+    _, model = grade_messages({"stream": {**ok_stream, "tool_calls": []},
+                               "count_tokens": {"ok": True, "tools_in_prompt": False}})
+    assert model.status == "fail" and "drops the tools" in model.summary   # no call: still the template
+
+
+def test_probe_sends_no_tool_choice_without_tools(standin):
+    """The probe's tool-less count_tokens carries no tool_choice (the API refuses one with no
+    tools); and the stand-in, which counts 42 with or without tools, still passes the model
+    check because the call parsed."""
+    from infercourse.ops.anthropic_probe import probe_messages
+    _StandIn.bodies.clear()
+    api, model = grade_messages(probe_messages(standin + "/llama"))
+    sent = {(b["path"], "tools" in b["body"]): b["body"] for b in _StandIn.bodies}
+    assert sent[("/llama/v1/messages", True)]["tool_choice"] == {"type": "any"}
+    assert sent[("/llama/v1/messages/count_tokens", True)]["tool_choice"] == {"type": "any"}
+    assert "tool_choice" not in sent[("/llama/v1/messages/count_tokens", False)]
+    assert (api.status, model.status) == ("ok", "ok") and "read_file" in model.summary
+
+
+def test_probe_reads_only_real_refusals_as_tools_refused(standin):
+    from infercourse.ops.anthropic_probe import probe_messages
+    api, model = grade_messages(probe_messages(standin + "/nojinja"))
+    assert api.status == "ok" and model.status == "fail" and "--jinja" in model.summary
+    # an error that names a tool but refuses nothing is an API failure, as it came
+    api, model = grade_messages(probe_messages(standin + "/badschema"))
+    assert (api.status, model) == ("fail", None) and "input_schema" in api.summary
 
 
 # -- against a real llama-server ---------------------------------------------------------------

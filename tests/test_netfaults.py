@@ -3,14 +3,15 @@
 layer while the server behind it stays healthy."""
 from __future__ import annotations
 
+import json
 import socket
 import time
 
 import pytest
 
 from infercourse.core.errors import APILayerError, ServerLayerError
-from infercourse.ops.netfaults import SYMPTOMS, FaultProxy, client_engine
-from infercourse.testing import SSESource
+from infercourse.ops.netfaults import SYMPTOMS, FaultProxy, carries_data, client_engine, split_events
+from infercourse.testing import ScriptedSSE, SSESource
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,81 @@ def test_proxy_port_is_closed_after_exit(source):
         port = p.port
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_events_split_on_every_blank_line_style():
+    body = b"data: 1\n\nevent: e\r\ndata: 2\r\n\r\ndata: 3\r\rdata: 4\r\n"
+    events, rest = split_events(body)
+    assert events == [b"data: 1\n\n", b"event: e\r\ndata: 2\r\n\r\n", b"data: 3\r\r"]
+    assert rest == b"data: 4\r\n"                       # not ended yet: kept for the next read
+    assert split_events(rest + b"\r\n") == ([b"data: 4\r\n\r\n"], b"")
+    assert [carries_data(e) for e in events] == [True, True, True]
+    assert not carries_data(b": keep-alive\n\n") and not carries_data(b"event: ping\n\n")
+
+
+def _anthropic_events(eol: bytes, n_text: int = 6) -> list[bytes]:
+    """An Anthropic Messages stream, `event:`-framed, with line ending `eol`."""
+    def ev(kind, **data):
+        return b"event: %s%sdata: %s%s%s" % (kind.encode(), eol, json.dumps({"type": kind, **data}).encode(),
+                                            eol, eol)
+    text = [ev("content_block_delta", index=0, delta={"type": "text_delta", "text": f"t{i} "})
+            for i in range(n_text)]
+    return [ev("message_start", message={"id": "m", "type": "message", "role": "assistant", "content": [],
+                                         "model": "scripted", "usage": {"input_tokens": 3, "output_tokens": 0}}),
+            ev("content_block_start", index=0, content_block={"type": "text", "text": ""}), *text,
+            ev("content_block_stop", index=0),
+            ev("message_delta", delta={"stop_reason": "max_tokens"}, usage={"output_tokens": n_text}),
+            ev("message_stop")]
+
+
+def _openai_events(eol: bytes, n_text: int = 6) -> list[bytes]:
+    """An OpenAI chat stream (`data:` only), with line ending `eol`."""
+    def data(obj):
+        return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + eol + eol
+    return [*(data({"choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]})
+              for i in range(n_text)),
+            data({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                  "usage": {"prompt_tokens": 3, "completion_tokens": n_text}}), data(b"[DONE]")]
+
+
+FRAMINGS = {"anthropic LF": ("anthropic", _anthropic_events(b"\n")),
+            "anthropic CRLF": ("anthropic", _anthropic_events(b"\r\n")),
+            "openai CRLF": ("openai", _openai_events(b"\r\n")),
+            "openai CR": ("openai", _openai_events(b"\r"))}
+
+
+def _scripted_stream(url, api):
+    engine = client_engine(url, timeout_s=20, model="scripted", api=api)
+    try:
+        return list(engine.stream("hi", max_tokens=6))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("framing", sorted(FRAMINGS))
+def test_pass_through_keeps_every_framing(framing):
+    api, script = FRAMINGS[framing]
+    with ScriptedSSE(script) as src, FaultProxy(src.url, None) as p:
+        events = _scripted_stream(p.url, api)
+    assert "".join(e.text for e in events) == "t0 t1 t2 t3 t4 t5 " and events[-1].done
+
+
+@pytest.mark.parametrize("fault, match", [("reset", "cut mid-way"),
+                                          ("cut", r"without (message_stop|data: \[DONE\])")])
+@pytest.mark.parametrize("framing", sorted(FRAMINGS))
+def test_breaking_faults_strike_on_every_framing(framing, fault, match):
+    """`after_events` counts every event with data, `event:`-framed or not, whatever the
+    line endings: on the Anthropic API the first 2 are message_start and content_block_start."""
+    api, script = FRAMINGS[framing]
+    after = 4 if api == "anthropic" else 2           # two text deltas through, either way
+    with ScriptedSSE(script) as src, FaultProxy(src.url, fault, after_events=after) as p:
+        with pytest.raises(APILayerError, match=match) as info:
+            _scripted_stream(p.url, api)
+        assert p.counts["faulted"] == 1
+    # a CR that ends the bytes received may be half a CRLF, so the client holds back the blank
+    # line of the 2nd event until more bytes come: after a reset none do (a cut's EOF settles it)
+    held = framing == "openai CR" and fault == "reset"
+    assert [e.text for e in info.value.partial] == (["t0 "] if held else ["t0 ", "t1 "])
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,9 @@ from httpx_sse import SSEError, aconnect_sse, connect_sse
 
 from infercourse.core.errors import APILayerError
 from infercourse.core.types import Event, Messages, Request, as_request
-from infercourse.engines.anthropic_stream import Parser
+from infercourse.engines.anthropic_stream import Parser, anthropic_error
 from infercourse.engines.openai_http import OpenAIHTTPEngine
-from infercourse.engines.openai_stream import json_or_text, server_error
+from infercourse.engines.openai_stream import json_or_text
 from infercourse.engines.tools import to_anthropic_tools, tool_names
 
 __all__ = ["AnthropicHTTPEngine", "to_anthropic_messages", "ANTHROPIC_VERSION"]
@@ -123,6 +123,8 @@ class AnthropicHTTPEngine(OpenAIHTTPEngine):
         if request.tools:
             body["tools"] = to_anthropic_tools(request.tools)
         body.update(self.extra_body)
+        if not body.get("tools"):   # the API refuses a tool_choice with no tools to choose from
+            body.pop("tool_choice", None)
         return {k: v for k, v in body.items() if v is not None}
 
     def _url(self) -> str:
@@ -135,7 +137,7 @@ class AnthropicHTTPEngine(OpenAIHTTPEngine):
                 f"HTTP {status})", hint="use its OpenAI API (engine 'http'), or put a translating proxy "
                 "in front of it (LiteLLM, claude-code-router); llama-server, vLLM and Ollama serve "
                 "/v1/messages themselves")
-        return server_error(self.where, status, json_or_text(raw))
+        return anthropic_error(self.where, status, json_or_text(raw))
 
     def count_tokens(self, request: Request | str | Messages, **overrides: Any) -> int:
         """Prompt tokens of `request` by the server's own count (`/v1/messages/count_tokens`)."""

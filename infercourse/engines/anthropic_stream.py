@@ -11,6 +11,17 @@ How each number is read, so a learner knows what to trust:
   counts as one token, which is exact on servers that send one token per delta
   (llama-server, vLLM); at the end that count is checked against `usage.output_tokens`,
   and `token_source` says "server, chunks not tokens" when they disagree.
+- **the first token of a tool call** is the `content_block_start` of its `tool_use` block:
+  it carries the tool's name, which the model has just written. llama-server sends it
+  from the same parser step that sends the OpenAI API's first `tool_calls` chunk (the
+  name), which the OpenAI parser counts as a token; so it counts as one token here too,
+  and TTFT means the same moment on both APIs, even for a call with empty input (no
+  `input_json_delta` at all).
+- **thinking** (`thinking` blocks: `thinking_delta`, then a `signature_delta`): each
+  `thinking_delta` is a token the model generated, so it counts for TTFT and token counts,
+  but it is not answer *text* (`Event.text` stays empty, as the OpenAI parser does with
+  `reasoning_content`): a user waits through it, yet it is not what they read.
+  `signature_delta` is a checksum from the API, not model output: no token.
 - **prompt tokens**: Anthropic splits them: `input_tokens` are the ones *not* read from
   cache, `cache_read_input_tokens` the ones that were, `cache_creation_input_tokens` the
   ones written to it. The prompt is their sum; `cached_tokens` is the cache read.
@@ -21,31 +32,51 @@ How each number is read, so a learner knows what to trust:
   `message_delta`; Ollama sends `input_tokens` in `message_delta`. We take the last value
   seen of each field.
 - **tool calls**: a `tool_use` block's input arrives as `input_json_delta` pieces, joined
-  and parsed at `content_block_stop`; the calls are in the final event's
-  `timings["tool_calls"]`. A call written as text instead is flagged in
-  `timings["tool_call_as_text"]` (see `engines.tools`).
+  and parsed at `content_block_stop`; a server that sends the input whole in
+  `content_block_start` (and no deltas) is taken at its word. The calls are in the final
+  event's `timings["tool_calls"]`. When tools were offered, a call written as text
+  instead is flagged in `timings["tool_call_as_text"]` (see `engines.tools`); without
+  tools, JSON in an answer is just an answer.
 - **finish reason**: `stop_reason` mapped to the OpenAI words every metric uses
-  (end_turn/stop_sequence -> stop, max_tokens -> length, tool_use -> tool_calls); the raw
-  value is kept in `timings["stop_reason"]`.
+  (end_turn/stop_sequence -> stop, max_tokens and model_context_window_exceeded ->
+  length, tool_use -> tool_calls); the raw value is kept in `timings["stop_reason"]`.
+- **errors**: the Anthropic API says "prompt is too long: N tokens > M maximum" when the
+  prompt does not fit; that is a context-layer error like llama-server's and vLLM's.
 """
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-from infercourse.core.errors import APILayerError
+from infercourse.core.errors import APILayerError, ContextLayerError, InferCourseError
 from infercourse.core.types import Event, Usage
 from infercourse.engines.openai_stream import CHUNKS_NOT_TOKENS, server_error
 from infercourse.engines.tools import parse_arguments, text_tool_call
 
-__all__ = ["Parser", "STOP_REASONS", "EVENT_TYPES"]
+__all__ = ["Parser", "STOP_REASONS", "EVENT_TYPES", "anthropic_error"]
 
 EVENT_TYPES = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
                "message_delta", "message_stop", "ping", "error")
 STOP_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
-                "tool_use": "tool_calls", "refusal": "stop", "pause_turn": "stop"}
+                "tool_use": "tool_calls", "refusal": "stop", "pause_turn": "stop",
+                # the API stopped because the context window is full: cut short, like max_tokens
+                "model_context_window_exceeded": "length"}
 _DELTA_TEXT = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
 _USAGE_KEYS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+# the Anthropic API's own overflow message: "prompt is too long: 208310 tokens > 200000 maximum"
+_CONTEXT_RE = re.compile(r"prompt is too long|model_context_window_exceeded", re.I)
+
+
+def anthropic_error(where: str, status: int | None, body: Any, partial: list[Event] | None = None
+                    ) -> InferCourseError:
+    """`openai_stream.server_error`, plus the Anthropic API's wording for a context overflow."""
+    err = server_error(where, status, body, partial=partial)
+    if not isinstance(err, ContextLayerError) and _CONTEXT_RE.search(str(body)):
+        return ContextLayerError(err.message, partial=partial,
+                                 hint="shorten the prompt, lower max_tokens, or serve the model "
+                                      "with a larger context")
+    return err
 
 
 class Parser:
@@ -80,21 +111,28 @@ class Parser:
         if kind and kind not in self.seen:
             self.seen.append(kind)
         if kind == "error" or (not event and "error" in payload):
-            raise server_error(self.where, None, payload, partial=list(self.events))
+            raise anthropic_error(self.where, None, payload, partial=list(self.events))
         if kind == "message_start":
             msg = payload.get("message") or {}
             self.meta.update({k: msg[k] for k in ("id", "model") if msg.get(k) is not None})
             self._take_usage(msg.get("usage"))
         elif kind == "content_block_start":
             block = dict(payload.get("content_block") or {})
-            block["_json"] = ""
+            block["_json"], block["_start_input"] = "", block.pop("input", None)
             self.blocks[payload.get("index", len(self.blocks))] = block
+            if block.get("type") == "tool_use" and block.get("name"):
+                return self._token(t, "")            # the name: the call's first token (see above)
         elif kind == "content_block_delta":
             return self._delta(payload, t)
         elif kind == "content_block_stop":
             block = self.blocks.get(payload.get("index", -1))
             if block is not None and block.get("type") == "tool_use":
-                block["input"], block["_error"] = parse_arguments(block["_json"])
+                whole = block.get("_start_input")
+                if not block["_json"] and isinstance(whole, dict) and whole:
+                    # input sent whole in content_block_start, no deltas: keep it
+                    block["_json"], block["input"], block["_error"] = json.dumps(whole), whole, None
+                else:
+                    block["input"], block["_error"] = parse_arguments(block["_json"])
         elif kind == "message_delta":
             self.stop_reason = (payload.get("delta") or {}).get("stop_reason") or self.stop_reason
             self._take_usage(payload.get("usage"))
@@ -117,7 +155,9 @@ class Parser:
             block["_json"] += piece
         if not piece:
             return None
-        text = piece if key == "text" else ""        # thinking and tool input: tokens, not text
+        return self._token(t, piece if key == "text" else "")   # thinking, tool input: tokens, not text
+
+    def _token(self, t: float, text: str) -> Event:
         self.text += text
         ev = Event(t=t, text=text, n_tokens=1)
         self.events.append(ev)
@@ -126,7 +166,7 @@ class Parser:
     def tool_calls(self) -> list[dict[str, Any]]:
         """The tool_use blocks received: id, name, input (None when it did not parse), error."""
         return [{"id": b.get("id"), "name": b.get("name"), "input": b.get("input"),
-                 "arguments": b["_json"], "error": b.get("_error")}
+                 "arguments": b.get("_json", ""), "error": b.get("_error")}
                 for _, b in sorted(self.blocks.items()) if b.get("type") == "tool_use"]
 
     def final(self, t: float) -> Event:
@@ -149,9 +189,11 @@ class Parser:
         else:
             usage = Usage(prompt_tokens=None, completion_tokens=counted, source="client")
         calls = self.tool_calls()
+        # a call written as text is a failure only when tools were offered
+        as_text = None if calls or not self.tool_names else text_tool_call(self.text, self.tool_names)
         timings = {"api": "anthropic", "stop_reason": self.stop_reason, "event_types": list(self.seen),
                    "usage_fields": dict(u), "tool_calls": calls,
-                   "tool_call_as_text": None if calls else text_tool_call(self.text, self.tool_names),
+                   "tool_call_as_text": as_text,
                    "chunk_tokens_from": "deltas" if self.events else None,
                    "client_token_count": counted, "unstreamed_tokens": unstreamed,
                    "chunks_are_tokens": chunks_are_tokens,

@@ -10,12 +10,17 @@ what the agent will actually do:
   one is a warning, not a failure).
 - **the tools reach the model**: `count_tokens` with and without the tool must differ. A
   chat template with no place for tools (the embedded SmolLM2's own) makes llama-server
-  drop them silently: the agent's tools never reach the model.
+  drop them silently: the agent's tools never reach the model. A tool call that comes
+  back parsed outranks this check: it proves the tools arrived, whatever the server's
+  `count_tokens` counts (it may leave the tools out of its count).
 - **a tool call parses**: the probe offers one tool and asks for it (`tool_choice: any`);
   it must come back as a `tool_use` block with JSON input. A call that arrives as text,
   a model that answers in prose, or a server that refuses tools (llama-server without
-  `--jinja`: "tools param requires --jinja flag") fails at the **model layer**: the model
-  and its chat template decide whether tools are rendered, called and parsed.
+  `--jinja`: "tools param requires --jinja flag"; vLLM without `--enable-auto-tool-choice`;
+  an Ollama model "does not support tools") fails at the **model layer**: the model and
+  its chat template decide whether tools are rendered, called and parsed. Only those
+  refusals are read as such: any other error that happens to mention a tool is an API
+  failure, reported as it came.
 
 Probing talks to the server (`probe_messages`); grading is pure (`grade_messages`), so each
 rule is tested on synthetic evidence like the rest of the doctor. `cache_buster_check` and
@@ -24,6 +29,7 @@ calling fails") for the symptom lab and the capstone.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from infercourse.core.errors import InferCourseError
@@ -42,6 +48,12 @@ PROXY_HINT = ("point the agent at a server that serves /v1/messages (llama-serve
               "a translating proxy in front of this one (LiteLLM, claude-code-router) that speaks "
               "Anthropic to the agent and OpenAI to the server")
 _RANK = {"skip": 0, "ok": 1, "warn": 2, "fail": 3}
+# how servers refuse tools: llama-server without --jinja ("tools param requires --jinja flag",
+# "tool_choice param requires --jinja flag"), vLLM without auto tool choice ('"auto" tool
+# choice requires --enable-auto-tool-choice and --tool-call-parser to be set'), Ollama with
+# a model whose template has no tools ("... does not support tools")
+_TOOLS_REFUSED = re.compile(r"requires --jinja|--enable-auto-tool-choice|--tool-call-parser|"
+                            r"does not support tools", re.I)
 
 
 def probe_messages(url: str, *, model: str | None = None, timeout_s: float = 5.0,
@@ -69,9 +81,9 @@ def probe_messages(url: str, *, model: str | None = None, timeout_s: float = 5.0
     except InferCourseError as e:
         ev["stream"] = {"ok": False, "error": e.message, "error_layer": e.layer,
                         "no_route": "no Anthropic Messages API" in e.message,
-                        "tools_refused": "jinja" in e.message.lower() or "tool" in e.message.lower()}
+                        "tools_refused": bool(_TOOLS_REFUSED.search(e.message))}
     try:
-        bare = engine.count_tokens(req.messages)
+        bare = engine.count_tokens(req.messages)   # no tools: the engine sends no tool_choice
         ev["count_tokens"] = {"ok": True, "input_tokens": bare,
                               "tools_in_prompt": engine.count_tokens(req) > bare}
     except InferCourseError as e:
@@ -95,10 +107,12 @@ def grade_messages(ev: dict[str, Any]) -> tuple[LayerCheck, LayerCheck | None]:
                                "so a coding agent (Claude Code) gets 'API Error' on its first call",
                                {"error": st.get("error")}, PROXY_HINT), None)
         if st.get("tools_refused") and st.get("error_layer") == "API":
+            err = str(st.get("error"))
+            fix = ("llama-server: start it with --jinja, and a chat template that renders tools"
+                   if "jinja" in err.lower() else "vLLM: --enable-auto-tool-choice --tool-call-parser; "
+                   "Ollama: a model whose template supports tools")
             return (_c("API", "ok", "/v1/messages answers"),
-                    _c("model", "fail", f"the server refused the tools: {str(st.get('error'))[:120]} "
-                       "(llama-server: start it with --jinja, and a chat template that renders tools)",
-                       error=st.get("error")))
+                    _c("model", "fail", f"the server refused the tools: {err[:120]} ({fix})", error=err))
         return _c("API", "fail", f"/v1/messages failed: {str(st.get('error'))[:140]}", error=st.get("error"),
                   error_layer=st.get("error_layer")), None
     missing = [e for e in EXPECTED_EVENTS if e not in (st.get("event_types") or [])]
@@ -110,12 +124,17 @@ def grade_messages(ev: dict[str, Any]) -> tuple[LayerCheck, LayerCheck | None]:
              event_types=st.get("event_types"), count_tokens=ct.get("input_tokens"),
              usage_fields=st.get("usage_fields"))
     calls = st.get("tool_calls") or []
+    if calls and all(c.get("error") is None for c in calls):
+        # a parsed call proves the tools reached the model: an equal count_tokens is the count's quirk
+        note = ("" if ct.get("tools_in_prompt") is not False else
+                "; count_tokens leaves the tools out of its count, so an agent sizing its context with it "
+                "undercounts")
+        return api, _c("model", "ok", f"tool call parsed: {calls[0].get('name')}({calls[0].get('input')})"
+                       + note, tools_in_prompt=ct.get("tools_in_prompt"))
     if ct.get("tools_in_prompt") is False:
         return api, _c("model", "fail", "the chat template drops the tools: count_tokens is the same with and "
                        "without them, so the model never sees them (give the server a template that renders "
                        "tools: llama-server --chat-template-file)", tools_in_prompt=False)
-    if calls and all(c.get("error") is None for c in calls):
-        return api, _c("model", "ok", f"tool call parsed: {calls[0].get('name')}({calls[0].get('input')})")
     if calls:
         return api, _c("model", "fail", f"tool call input is not JSON: {calls[0].get('error')}", calls=calls)
     if st.get("tool_call_as_text"):

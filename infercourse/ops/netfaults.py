@@ -10,11 +10,17 @@ a load balancer. Faults there look like model or server faults to the user ("it 
 | `latency`         | delivers every chunk `delay_s` late (a longer wire)    | TTFT up, token gaps unchanged |
 | `slow_first_byte` | holds the response back `delay_s` past its first byte | TTFT up by `delay_s`, then normal speed |
 | `reset`           | TCP RST after `after_events` SSE events               | "connection reset" mid-answer |
-| `cut`             | ends the stream cleanly after `after_events` events   | an answer with no `[DONE]`  |
+| `cut`             | ends the stream cleanly after `after_events` events   | an answer with no end event |
 | `5xx`             | answers 502 Bad Gateway, like nginx with no upstream  | HTTP 502 on every call      |
 
-It acts on the SSE stream event by event: the upstream body is split at the blank line
-that ends each `data:` event, so "after 3 events" means 3 tokens' worth of answer.
+It acts on the SSE stream event by event. An SSE event is a group of lines ended by a blank
+line, and the SSE spec lets a line end in LF, CRLF or CR: the upstream body is split
+at whichever blank line comes, and every event that carries a `data:` line counts, whether
+it opens with `data:` (OpenAI APIs) or with an `event:` line naming it (Anthropic Messages:
+`event: content_block_delta` then `data: {...}`). Comment lines (`: keep-alive`) carry no
+data and do not count. So "after 3 events" means 3 events' worth of answer on either API;
+on the Anthropic API the first events are `message_start` and `content_block_start`. A cut
+stream lacks its end event: `data: [DONE]` (OpenAI) or `message_stop` (Anthropic).
 Faults stop after `max_s` (the proxy then passes traffic through), and the proxy itself
 stops on `with` exit and at interpreter exit.
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import re
 import socket
 import struct
 import threading
@@ -43,25 +50,51 @@ import h11
 from infercourse.core.errors import ServerLayerError
 from infercourse.servers.process import HOST, free_port
 
-__all__ = ["SYMPTOMS", "FaultProxy", "client_engine"]
+__all__ = ["SYMPTOMS", "FaultProxy", "client_engine", "split_events", "carries_data"]
 
 SYMPTOMS = {  # name -> (what the user sees, what is done)
     "latency": ("everything arrives late: TTFT up by a constant", "+delay on every chunk"),
     "slow_first_byte": ("long wait before anything, then normal speed", "response head held back"),
     "reset": ("the answer stops mid-stream: connection reset", "TCP RST after a few events"),
-    "cut": ("the answer ends early, with no [DONE]", "stream closed cleanly after a few events"),
+    "cut": ("the answer ends early, with no end event ([DONE], message_stop)",
+            "stream closed cleanly after a few events"),
     "5xx": ("every call fails with HTTP 502", "502 Bad Gateway instead of forwarding"),
 }
 DEFAULT_DELAY_S = {"latency": 1.5, "slow_first_byte": 2.0}
 _NOTHING = object()   # "no first chunk taken yet" (None is the end of the body)
 _LIVE: set["FaultProxy"] = set()
+# the blank line that ends an SSE event, in each line-ending style the spec allows (CRLF
+# first: its "\r\n\r\n" must not be read as a lone "\r" line end)
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_DATA_LINE = re.compile(rb"(?:^|[\r\n])data:")
 
 
-def client_engine(url: str, timeout_s: float = 10.0, model: str | None = None):
-    """An OpenAIHTTPEngine for a client of the proxy (short read timeout). `model`: the
-    served name, which spares the `/v1/models` lookup (a delay fault slows that too)."""
+def client_engine(url: str, timeout_s: float = 10.0, model: str | None = None, api: str = "openai"):
+    """An HTTP engine for a client of the proxy (short read timeout).
+
+    Args:
+        model: the served name, which spares the `/v1/models` lookup (a delay fault slows it too).
+        api: "openai" (chat completions) or "anthropic" (Messages, the coding agents' route).
+    """
+    if api == "anthropic":
+        from infercourse.engines.anthropic_http import AnthropicHTTPEngine
+        return AnthropicHTTPEngine(url, model=model, timeout=timeout_s)
     from infercourse.engines.openai_http import OpenAIHTTPEngine
     return OpenAIHTTPEngine(url, model=model, timeout=timeout_s)
+
+
+def split_events(buf: bytes) -> tuple[list[bytes], bytes]:
+    """(whole SSE events, each with its blank line, and the unfinished rest) of `buf`."""
+    events = []
+    while (m := _EVENT_END.search(buf)) is not None:
+        events.append(buf[:m.end()])
+        buf = buf[m.end():]
+    return events, buf
+
+
+def carries_data(event: bytes) -> bool:
+    """Whether an SSE event has a `data:` line (at its start, or after `event:`/`id:` lines)."""
+    return _DATA_LINE.search(event) is not None
 
 
 async def _next(reader: asyncio.StreamReader, conn: h11.Connection):
@@ -215,7 +248,7 @@ class FaultProxy:
                 t, data = item
                 if active and self.fault == "latency":   # each chunk delay_s after it came in
                     await asyncio.sleep(max(0.0, t + self.delay_s - time.monotonic()))
-                if sse and data.startswith(b"data:"):
+                if sse and carries_data(data):
                     n_events += 1
                 if active and sse and self.fault in ("reset", "cut") and n_events > self.after_events:
                     self.counts["faulted"] += 1
@@ -243,10 +276,9 @@ class FaultProxy:
                 if not sse:
                     await queue.put((time.monotonic(), bytes(ev.data)))
                     continue
-                buf += ev.data
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    await queue.put((time.monotonic(), event + b"\n\n"))
+                events, buf = split_events(buf + ev.data)
+                for event in events:
+                    await queue.put((time.monotonic(), event))
             if buf:
                 await queue.put((time.monotonic(), buf))
         finally:
