@@ -604,3 +604,49 @@ def test_unreachable_server_fails_before_the_run(tmp_path):
     with pytest.raises(APILayerError, match="not reachable"):
         bench.run(engine, [REQ], out_dir=tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()          # nothing half-written
+
+
+# -- a mix of models: each request names its model (model_mix) ----------------------------------
+def test_mix_gives_exact_shares_seeded():
+    from infercourse.measure.model_mix import mix
+    reqs = [Request(prompt=f"q{i}") for i in range(10)]
+    a, b = mix(reqs, {"main": 0.8, "fast": 0.2}, seed=1), mix(reqs, {"main": 4, "fast": 1}, seed=1)
+    assert [r.model for r in a] == [r.model for r in b]                    # shares are normalised
+    assert sorted(r.model for r in a).count("fast") == 2
+    assert [r.prompt for r in a] == [r.prompt for r in reqs]               # order kept, models assigned
+    assert [r.model for r in mix(reqs, {"main": 0.8, "fast": 0.2}, seed=2)] != [r.model for r in a]
+    assert sum(r.model == "c" for r in mix(reqs[:7], {"a": 1, "b": 1, "c": 1})) in (2, 3)
+    with pytest.raises(ValueError):
+        mix(reqs, {"a": 0})
+
+
+def test_model_dispatch_puts_each_requests_model_in_its_body():
+    from infercourse.engines.openai_http import OpenAIHTTPEngine
+    from infercourse.measure.model_mix import ModelDispatch, with_model
+    base = OpenAIHTTPEngine("http://127.0.0.1:9", model="default")
+    d = ModelDispatch(base, ["fast", None])
+    assert d.model == ["fast"] and d.root == base.root
+    fast = with_model(REQ, "fast")
+    assert d.for_model("fast").body(fast)["model"] == "fast" and base.body(fast)["model"] == "default"
+    assert d.for_model(None) is base and d.for_model("main").body(fast)["model"] == "main"
+    salted = bench.salted(fast, "abcd")               # what bench does to a request keeps its model
+    assert salted.model == "fast" and bench.warmup_request(salted).model == "fast"
+    with pytest.raises(EngineLayerError, match="per-request models need a server"):
+        ModelDispatch(object())
+
+
+def test_bench_tags_and_splits_a_mix(source, tmp_path):
+    from infercourse.measure.model_mix import mix
+    reqs = mix([Request(prompt=f"q{i}", max_tokens=4) for i in range(6)], {"a": 2, "b": 1})
+    r = bench.run(http_engine(source.url), reqs, pattern="concurrency", concurrency=2, warmup=1,
+                  out_dir=tmp_path / "run", progress=False, sample_s=None)
+    assert sorted(r.df["model"]) == ["a"] * 4 + ["b"] * 2
+    t = r.by_model
+    assert t["n_ok"].to_dict() == {"a": 4, "b": 2}
+    for m in ("a", "b"):   # each model's percentiles are of its own rows only
+        assert t.loc[m, "ttft_s_p50"] == pytest.approx(r.df[r.df["model"] == m]["ttft_s"].median())
+    assert r.manifest["workload"]["models"] == {"a": 4, "b": 2} and r.manifest["model"] == ["a", "b"]
+    assert any(line.startswith("model b: 2 ok of 2") for line in r.report().splitlines())
+    plain = bench.run(http_engine(source.url), [REQ], max_requests=2, warmup=0, out_dir=tmp_path / "p",
+                      progress=False, sample_s=None)
+    assert "model" not in plain.df and not any(s.startswith("model ") for s in plain.report().splitlines())

@@ -119,3 +119,41 @@ def test_cli_replays_a_datasets_offsets(tmp_path, capsys):
         assert bench_main([*base, "--dataset", str(timed), "--out", str(tmp_path / "run")]) == 0
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["load"]["pattern"] == "replay" and manifest["workload"]["n_requests"] == 3
+
+
+def test_model_per_line(tmp_path):
+    from infercourse.core.types import Request
+    from infercourse.measure.model_mix import ModelRequest
+    p = _write(tmp_path, [{"prompt": "a", "model": "main"}, {"prompt": "b"}, {"prompt": "c", "model": "fast"}])
+    wl = ds.dataset_workload(p)
+    assert [getattr(r, "model", None) for r in wl.requests] == ["main", None, "fast"]
+    assert isinstance(wl.requests[0], ModelRequest) and type(wl.requests[1]) is Request
+    assert wl.describe()["models"] == {"main": 1, None: 1, "fast": 1}
+    plain = ds.dataset_workload(_write(tmp_path, [{"prompt": "a"}, {"prompt": "c"}], "plain.jsonl"))
+    other = ds.dataset_workload(_write(tmp_path, [{"prompt": "a", "model": "x"}, {"prompt": "c"}], "o.jsonl"))
+    assert "models" not in plain.describe() and plain.sha256 != other.sha256   # the models are part of the workload
+    bad = _write(tmp_path, [{"prompt": "a", "model": ""}, {"prompt": "b", "model": 7}], "bad.jsonl")
+    with pytest.raises(ds.DatasetError, match=r"(?s)line 1: 'model' must be.*line 2: 'model' must be"):
+        ds.load_dataset(bad)
+    sess = _write(tmp_path, [{"session": "s", "prompt": "a", "model": "main"}], "s.jsonl")
+    with pytest.raises(ds.DatasetError, match="line 1: 'model' applies to request lines only"):
+        ds.load_dataset(sess)
+
+
+def test_cli_dataset_with_models_reports_by_model(tmp_path, capsys):
+    from infercourse.cli import bench_main, report_main
+    from infercourse.testing import SSESource
+    f = _write(tmp_path, [{"prompt": f"q{i}", "max_tokens": 3, "model": "fast" if i == 1 else "main"}
+                          for i in range(3)], "mix.jsonl")
+    with SSESource(ttft_s=0.0, gap_s=0.001) as src:   # a stand-in: it answers any model name
+        code = bench_main(["--engine", "http", "--url", src.url, "--dataset", str(f), "--no-progress",
+                           "--warmup", "0", "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert code == 0 and "model fast: 1 ok of 1" in out and "model main: 2 ok of 2" in out, out
+    rows = [json.loads(x) for x in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    assert sorted(r["tags"]["model"] for r in rows) == ["fast", "main", "main"]
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["model"] == ["fast", "main"] and manifest["engine"]["dispatch"] == "per request"
+    assert report_main([str(tmp_path / "run")]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "[fast]" in head and "[main]" in head, head

@@ -59,6 +59,7 @@ from infercourse.core.loopback import is_loopback
 from infercourse.core.trace import RequestTrace
 from infercourse.core.types import Request
 from infercourse.measure.server_samples import ServerSampler, sampled_summary
+from infercourse.measure.model_mix import ModelDispatch, ModelWorkload, request_models
 from infercourse.measure.loadgen import (
     State,
     constant_schedule,
@@ -91,6 +92,12 @@ class BenchResult:
     @property
     def warnings(self) -> list[str]:
         return self.manifest.get("warnings", [])
+
+    @property
+    def by_model(self):
+        """Every metric split by the model each request named (`model_mix.by_model`)."""
+        from infercourse.measure.model_mix import by_model
+        return by_model(self.df)
 
     def report(self, slos: dict[str, float] | None = None) -> str:
         """Requests by status, prompt-cache hits, goodput for `slos`, warnings: one per line."""
@@ -152,7 +159,8 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
 
     Args:
         engine: an HTTP engine (has `astream`: concurrent) or an in-process one (sequential).
-        workload: a `workloads.Workload` or a list of `Request`s (cycled up to max_requests).
+        workload: a `workloads.Workload` or a list of `Request`s (cycled up to max_requests);
+            `model_mix.ModelRequest`s each go to the model they name, a `model` column.
         pattern: one of PATTERNS.
         concurrency: workers for "concurrency" (downgraded to 1 for in-process engines).
         rate_rps: requests per second for "rate" and "poisson".
@@ -186,6 +194,9 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
     n = min(max_requests or len(base), MAX_REQUESTS)
     if concurrency < 1 or max_in_flight < 1 or n < 1:
         raise ValueError("concurrency, max_in_flight and max_requests must be >= 1")
+    models = request_models(base)   # a mix: each request goes to the model it names (model_mix)
+    if models:
+        engine = ModelDispatch(engine, models)
     if ignore_eos is not None:
         base = [replace(r, ignore_eos=ignore_eos) for r in base]
     if salt is None:   # a cache workload measures reuse; cache_prompt=False reuses nothing
@@ -219,7 +230,8 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
         raise APILayerError(f"bench targets loopback servers only, got {addr[0]}:{addr[1]}",
                             hint="pass allow_remote=True if you own that server and mean to load it")
     from infercourse.measure.workloads import Workload
-    wl = (workload if hasattr(workload, "describe") else Workload("ad-hoc", tuple(base))).describe()
+    wl = (workload if hasattr(workload, "describe") else
+          (ModelWorkload if models else Workload)("ad-hoc", tuple(base))).describe()
     try:
         eng = engine.describe()
     except Exception as e:  # noqa: BLE001 - a describe() failure must not stop the run
@@ -236,7 +248,8 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
     out = Path(out_dir) if out_dir else cache_dir() / "runs" / f"{stamp}_{label or pattern}"
     writer = RunWriter(out, manifest)
-    tags = [{"pattern": pattern, "concurrency": concurrency, "req_index": i % len(base)} for i in range(n)]
+    tags = [{"pattern": pattern, "concurrency": concurrency, "req_index": i % len(base),
+             **({"model": models[i % len(base)]} if models else {})} for i in range(n)]
     pbar = tqdm(total=n, desc=label or pattern, disable=not progress, leave=False)
     if not write_inline:
         writer.start_thread(on_written=pbar.update)

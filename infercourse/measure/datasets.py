@@ -17,9 +17,14 @@ Fields of a line:
   message); the model's reply is carried forward between turns (`--sessions N` runs N such
   sessions at once; with `--exact-replay`, `reply` is carried instead);
 - `reply` (string, session lines): the recorded assistant reply of that turn;
-- `think_s` (number >= 0, session lines): the pause after that turn (the tool's run time).
+- `think_s` (number >= 0, session lines): the pause after that turn (the tool's run time);
+- `model` (string, request lines): the model to ask, by name or alias, for a server that
+  serves several (llama-server's router mode, `servers.llama_router`); lines may name
+  different models, so one run sends a mix, and the summary splits every metric by model.
+  A line without one goes to the engine's model (`--model`).
 
     {"prompt": "Why is the sky blue?", "max_tokens": 32}
+    {"prompt": "Title this chat in five words.", "max_tokens": 16, "model": "claude-haiku-4-5"}
     {"messages": [{"role": "user", "content": "Summarise RFC 2616 in one line."}], "offset_s": 0.5}
     {"session": "a", "messages": [{"role": "system", "content": "You are..."}, {"role": "user", "content": "Fix the bug."}], "reply": "Reading main.py.", "think_s": 0.1}
     {"session": "a", "messages": [{"role": "user", "content": "<tool_response>...</tool_response>"}]}
@@ -34,12 +39,13 @@ from typing import Any
 
 from infercourse.core.types import Request
 from infercourse.measure.sessions import SessionScript, SessionTurn
+from infercourse.measure.model_mix import ModelRequest, ModelWorkload
 from infercourse.measure.workloads import Workload, WorkloadError
 
 __all__ = ["DatasetError", "FIELDS", "ROLES", "validate_line", "load_dataset", "dataset_workload",
            "dataset_sessions"]
 
-FIELDS = {"prompt", "messages", "max_tokens", "offset_s", "session", "reply", "think_s"}
+FIELDS = {"prompt", "messages", "max_tokens", "offset_s", "session", "reply", "think_s", "model"}
 ROLES = {"system", "user", "assistant", "tool"}
 DEFAULT_MAX_TOKENS = 64
 _SHOWN = 20   # bad lines listed in one error
@@ -85,6 +91,10 @@ def validate_line(obj: Any) -> list[str]:
             errs.append(f"'{k}' only applies to a session line (one with 'session')")
     if "reply" in obj and not isinstance(obj["reply"], str):
         errs.append("'reply' must be a string")
+    if "model" in obj and not (isinstance(obj["model"], str) and obj["model"].strip()):
+        errs.append("'model' must be a non-empty string (a model name or alias the server knows)")
+    if "model" in obj and "session" in obj:   # a session's turns run on one engine (measure.sessions)
+        errs.append("'model' applies to request lines only; a session runs on one model (--model)")
     return errs
 
 
@@ -128,6 +138,8 @@ def load_dataset(path: str | Path) -> list[dict[str, Any]]:
 
 def _request(r: dict[str, Any]) -> Request:
     kw = {"prompt": r["prompt"]} if "prompt" in r else {"messages": r["messages"]}
+    if "model" in r:   # the model rides on the request: bench sends it and tags the row
+        return ModelRequest(**kw, max_tokens=r.get("max_tokens", DEFAULT_MAX_TOKENS), model=r["model"])
     return Request(**kw, max_tokens=r.get("max_tokens", DEFAULT_MAX_TOKENS))
 
 
@@ -137,7 +149,8 @@ def dataset_workload(path: str | Path) -> Workload:
     if "session" in rows[0]:
         raise DatasetError(f"{path} holds sessions, not requests", hint="run it with --sessions N")
     offsets = tuple(float(r["offset_s"]) for r in rows) if "offset_s" in rows[0] else None
-    return Workload(f"dataset-{Path(path).stem}", tuple(_request(r) for r in rows), offsets)
+    kind = ModelWorkload if any("model" in r for r in rows) else Workload
+    return kind(f"dataset-{Path(path).stem}", tuple(_request(r) for r in rows), offsets)
 
 
 def dataset_sessions(path: str | Path) -> list[SessionScript]:

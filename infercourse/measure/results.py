@@ -36,6 +36,7 @@ from infercourse.core.errors import InferCourseError
 from infercourse.core.hashing import content_hash
 from infercourse.core.trace import RequestTrace
 from infercourse.measure.hardware import environment_manifest, hardware_info, utc_now
+from infercourse.measure.model_mix import by_model, by_model_lines
 
 __all__ = ["new_run_dir", "RunWriter", "Run", "load_run", "compare", "differing_conditions",
            "UnfairComparisonError",
@@ -256,6 +257,7 @@ def report_lines(df: pd.DataFrame, slos: Mapping[str, float] | None = None) -> l
                      f"({cached / prompt:.0%}) over {len(known)} requests")
     else:
         lines.append("prompt cache: not reported (cached tokens unknown for this engine)")
+    lines += by_model_lines(df) if len(df) else []   # a mix of models: each one's own percentiles
     if slos:
         g = summary.goodput(df, slos)
         ops = ", ".join(f"{k} {'<=' if summary.SLO_METRICS.get(k) == 'max' else '>='} {v:g}"
@@ -268,7 +270,8 @@ def report_lines(df: pd.DataFrame, slos: Mapping[str, float] | None = None) -> l
 def compare(runs: Iterable[Run], metric_names: Iterable[str] = ("ttft_s", "tpot_s", "e2e_s",
             "decode_tok_per_s"), *, seed: int = 0) -> pd.DataFrame:
     """Runs side by side: one row per run with throughput, error rate, and p50/p90/p99
-    (with bootstrap CI bounds) of each metric, as `<metric>_p50` etc. The error rate is
+    (with bootstrap CI bounds) of each metric, as `<metric>_p50` etc.; a run that sent a mix
+    of models adds one row per model, `label [model]`. The error rate is
     over the requests that finished or failed: one cut off when the run stopped is
     `n_incomplete`, not an error (as the soak counts it: 14 printed 75% there and 83% here
     for the same run)."""
@@ -285,6 +288,9 @@ def compare(runs: Iterable[Run], metric_names: Iterable[str] = ("ttft_s", "tpot_
                 if col in s:
                     row[f"{m}_{col}"] = s.loc[m, col]
         rows.append(row)
+        if "model" in run.df and run.df["model"].notna().any():   # a mix: every metric by model too
+            t = by_model(run.df, tuple(metric_names), ("p50", "p90", "p99", "mean"))
+            rows += [{"run": f"{run.label} [{m}]", **r.to_dict()} for m, r in t.iterrows()]
     return pd.DataFrame(rows).set_index("run")
 
 

@@ -18,6 +18,10 @@ timeouts, so a frozen or dead server costs seconds, not minutes:
 | memory   | server RSS, available RAM, swap (psutil)                               |
 | hardware | 1-min load per core, GPUs (nvidia-smi)                                 |
 
+Through llama-server's router mode (several models behind one URL, `servers.llama_router`)
+every probe names one model: the GETs carry `?model=`, the POSTs a `model` field, as the
+router requires; `memory` is then the router's own RSS, not its model children's.
+
 The snapshot is a plain JSON-able dict; `infercourse.ops.layers.grade` turns it into
 verdicts. Keeping the two apart means the grading rules are tested on synthetic
 snapshots, and a notebook can show the raw evidence behind every verdict.
@@ -29,6 +33,7 @@ import re
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import psutil
@@ -162,7 +167,8 @@ def _listener_pid(port: int | None) -> int | None:
 
 
 def collect_http(url: str, *, server: Any = None, pid: int | None = None, log_path: str | Path | None = None,
-                 prompt: str | None = None, max_tokens: int = 0, timeout_s: float = 5.0) -> dict[str, Any]:
+                 prompt: str | None = None, max_tokens: int = 0, timeout_s: float = 5.0,
+                 model: str | None = None) -> dict[str, Any]:
     """Evidence from an OpenAI-compatible server at `url`.
 
     Args:
@@ -173,6 +179,10 @@ def collect_http(url: str, *, server: Any = None, pid: int | None = None, log_pa
         prompt: a prompt whose fit in the context window is checked.
         max_tokens: tokens that prompt asks for (counted against the window too).
         timeout_s: read timeout of every probe (a frozen server costs this, not more).
+        model: the model to probe, by name or alias (default: the server's only one; on a
+            router, the first loaded one). Through llama-server's router mode the GET probes
+            carry `?model=NAME&autoload=false` (a probe must not load or swap a model) and
+            the POST ones a `model` field.
     """
     root = url.rstrip("/").removesuffix("/v1")
     ev: dict[str, Any] = {"kind": "http", "target": root}
@@ -182,7 +192,12 @@ def collect_http(url: str, *, server: Any = None, pid: int | None = None, log_pa
     with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0))) as c:
         models = _get(c, root + "/v1/models")
         data = models.get("body", {}).get("data") if isinstance(models.get("body"), dict) else None
-        model = data[0].get("id", "default") if data else "default"
+        # llama-server's router lists every preset with a status object; a plain server does not
+        routed = bool(data) and isinstance(data[0].get("status"), dict)
+        loaded = [m for m in data or [] if routed and (m.get("status") or {}).get("value") == "loaded"]
+        model = model or ((loaded or data)[0].get("id", "default") if data else "default")
+        q = f"?{urlencode({'model': model, 'autoload': 'false'})}" if routed else ""
+        named = {"model": model} if routed else {}
         # a dead, stopped or silent server would make every further probe wait its timeout
         silent = models.get("error") in ("refused", "timeout") or proc.get("status") in ("stopped", "gone")
         ev["api"] = {"models": models, "stream": _probe_stream(root, model, timeout_s) if not silent else
@@ -198,18 +213,18 @@ def collect_http(url: str, *, server: Any = None, pid: int | None = None, log_pa
             ev["api"]["direct_stream"] = _probe_stream(direct, model, timeout_s)   # the wire, or the server?
         base = direct or root   # the server's own endpoints: ask it directly when we can
         answers = bool((ev["server"]["direct_health"] or health).get("status"))
-        slots, metrics, props = (_get(c, base + p) if answers else {} for p in ("/slots", "/metrics", "/props"))
+        slots, metrics, props = (_get(c, base + p + q) if answers else {} for p in ("/slots", "/metrics", "/props"))
         ev["engine"] = {"slots": slots.get("body") if isinstance(slots.get("body"), list) else None,
                         "metrics": parse_metrics(metrics["body"]) if isinstance(metrics.get("body"), str) else {}}
         p = props.get("body") if isinstance(props.get("body"), dict) else {}
         ev["runtime"] = {"build_info": p.get("build_info"), "cmdline": ev["server"]["process"].get("cmdline")}
-        tmpl = _post(c, base + "/apply-template", TOOL_TURN) if p else None
+        tmpl = _post(c, base + "/apply-template", {**TOOL_TURN, **named}) if p else None
         ev["model"] = {"model_path": p.get("model_path"), "chat_template": p.get("chat_template"),
                        "tool_turn": tmpl, "n_ctx": (p.get("default_generation_settings") or {}).get("n_ctx"),
                        "supports_tools": (p.get("chat_template_caps") or {}).get("supports_tools")}
         ev["context"] = {"n_ctx_slot": ev["model"]["n_ctx"], "max_tokens": max_tokens, "prompt_tokens": None}
         if prompt is not None:
-            tok = _post(c, base + "/tokenize", {"content": prompt, "add_special": True})
+            tok = _post(c, base + "/tokenize", {"content": prompt, "add_special": True, **named})
             body = (tok or {}).get("body")
             ev["context"]["prompt_tokens"] = len(body["tokens"]) if isinstance(body, dict) and "tokens" in body else None
     ratio, source = ev["engine"]["metrics"].get("llamacpp:kv_cache_usage_ratio"), "/metrics kv_cache_usage_ratio"
