@@ -33,7 +33,7 @@ LLAMA_CPP_BUILD_JOBS ?= $(shell nproc 2>/dev/null || sysctl -n hw.ncpu)
 # What `make test` runs the notebooks at: the CI size (small, stated in course.py); `make course` runs full size.
 NOTEBOOK_SIZE ?= ci
 
-.PHONY: install course test lab doctor formats vllm clean
+.PHONY: install course test lab doctor formats vllm agents clean
 
 install: $(STAMP)
 
@@ -55,9 +55,16 @@ $(STAMP): pyproject.toml tools/build_llamacpp.py
 	$(BIN)/python -m pip install -q -e ".[all]"
 	@echo "== the embedded model's derived formats ($$(date +%T))"
 	$(BIN)/python -m infercourse.models.formats
+	@echo "== the real coding agents, pinned, from npm (notebook 18b; $$(date +%T))"
+	$(BIN)/python -m infercourse.ops.agents install || echo "   agents not installed: notebook 18b will skip (make agents to retry)"
 	@echo "== set up ($$(date +%T))"
 	printf '%s\n' $(LLAMA_ARGS_QUOTED) > $(LLAMA_ARGS_FILE)
 	touch $@ $(VENV)/.installed
+
+# Claude Code and Codex CLI at the versions tools/agents/package-lock.json pins, into the cache
+# folder (never this repo); without npm it says how to get them, and 18b skips.
+agents: $(STAMP)
+	$(BIN)/python -m infercourse.ops.agents install
 
 formats: $(STAMP)
 	$(BIN)/python -m infercourse.models.formats

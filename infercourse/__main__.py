@@ -9,12 +9,14 @@ commands:
   doctor env        the environment report: hardware, versions, usable engines
   doctor course     predict the course's run time here (a short probe vs the reference machine)
   doctor layers URL walk API -> server -> ... -> hardware; name the first failing layer
+  doctor agent URL  is this server ready for a real coding agent (--agent claude-code|codex)?
+  agent install|run|report  real coding agents against the course's server, captured
   faults list|run   real faults on a local server (loopback, bounded, undone), diagnosed
   bench ...         run a load pattern against an engine, save a results folder
   report DIR...     compare saved runs side by side
   course [--out D]  execute every notebook headless, write executed copies + HTML to D
   formats           derive the embedded model's formats (HF, F16, quant ladder, MLX)
-  serve llama|mlx|vllm  one server in the foreground on 127.0.0.1 (a room's: --host, --api-key)
+  serve llama|mlx|vllm  one server in the foreground on 127.0.0.1 (a room's: --host, $INFERCOURSE_API_KEY or --api-key-file)
   soak ...          load a server for a bounded time; sample memory, queue, crashes
 
 `infercourse COMMAND --help` documents each command's options."""
@@ -32,12 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "doctor" and rest[:1] == ["course"]:
         from infercourse.ops.pace import pace_main
         return pace_main(rest[1:])
+    if cmd == "doctor" and rest[:1] == ["agent"]:
+        from infercourse.ops.agent_doctor import doctor_agent_main
+        return doctor_agent_main(rest[1:])
+    if cmd == "agent":
+        from infercourse.cli_agent import agent_main
+        return agent_main(rest)
     if cmd == "faults":
         from infercourse.ops.faultlab import faults_main
         return faults_main(rest)
     if cmd == "doctor":
         if rest not in ([], ["env"]):
-            print("usage: infercourse doctor env | doctor layers URL | doctor course", file=sys.stderr)
+            print("usage: infercourse doctor env | doctor layers URL | doctor agent URL | doctor course", file=sys.stderr)
             return 2
         from infercourse.ops.doctor import print_report
         print_report()

@@ -12,7 +12,7 @@ from typing import Any
 __all__ = [
     "InferCourseError", "APILayerError", "ServerLayerError", "EngineLayerError",
     "RuntimeLayerError", "ModelLayerError", "ContextLayerError", "BackendMissingError",
-    "KVCacheLayerError", "MemoryLayerError", "HardwareLayerError", "LAYERS",
+    "KVCacheLayerError", "MemoryLayerError", "HardwareLayerError", "AgentLayerError", "LAYERS",
 ]
 
 # The order a symptom is located in (see notebook 15): the first failing layer is the answer.
@@ -89,3 +89,10 @@ class HardwareLayerError(InferCourseError):
 
     layer = "hardware"
 
+
+class AgentLayerError(InferCourseError):
+    """The coding agent (the client above the API: Claude Code, Codex CLI) failed, could not be
+    started, or may not be run here. Not in `LAYERS`: the layer walk starts at the API, and the
+    agent is what sends the symptom down it."""
+
+    layer = "agent"

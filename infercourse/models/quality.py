@@ -39,7 +39,7 @@ PARAGRAPH = (
 
 
 def token_nlls(model: str | Path | None, text: str = PARAGRAPH, *,
-               n_threads: int = 2) -> tuple[list[int], np.ndarray]:
+               n_threads: int = 2, gguf_options: dict | None = None) -> tuple[list[int], np.ndarray]:
     """Token ids of `text` and the NLL (nats) of each token after the first, given those before.
 
     No BOS or special tokens are added, so every format scores the same token sequence.
@@ -48,12 +48,16 @@ def token_nlls(model: str | Path | None, text: str = PARAGRAPH, *,
         model: a GGUF file, HF folder or MLX folder (None: the embedded GGUF).
         text: the text to score; a few hundred tokens at most.
         n_threads: CPU threads for the forward pass.
+        gguf_options: more `llama_cpp.Llama` arguments for a GGUF (e.g. YaRN rope scaling and
+            a context-length override: what serving a longer window costs the model).
     """
     ref = resolve_model(model)
     scorer = {"gguf": _gguf_logits, "hf": _hf_logits, "mlx": _mlx_logits}.get(ref.kind)
     if scorer is None:
         raise ModelLayerError(f"cannot score a {ref.kind} model {ref.name!r}: need its files")
-    ids, logits = scorer(ref.path, text, n_threads)
+    if gguf_options and ref.kind != "gguf":
+        raise ModelLayerError(f"gguf_options apply to a GGUF model, not a {ref.kind} one")
+    ids, logits = scorer(ref.path, text, n_threads, **(gguf_options or {}))
     if len(ids) < 2:
         raise ModelLayerError("text too short to score: need at least two tokens")
     logits = np.asarray(logits, dtype=np.float64)[: len(ids) - 1]
@@ -73,10 +77,11 @@ def perplexity(model: str | Path | None, text: str = PARAGRAPH, *, n_threads: in
     return math.exp(mean_nll(model, text, n_threads=n_threads))
 
 
-def _gguf_logits(path: Path, text: str, n_threads: int):
+def _gguf_logits(path: Path, text: str, n_threads: int, **options):
     import llama_cpp
-    llm = llama_cpp.Llama(model_path=str(path), verbose=False, n_ctx=1024, n_batch=1024, logits_all=True,
-                          n_threads=n_threads, n_threads_batch=n_threads)
+    kw = dict(verbose=False, n_ctx=1024, n_batch=1024, logits_all=True, n_threads=n_threads,
+              n_threads_batch=n_threads) | options
+    llm = llama_cpp.Llama(model_path=str(path), **kw)
     try:
         ids = llm.tokenize(text.encode(), add_bos=False, special=False)
         llm.eval(ids)

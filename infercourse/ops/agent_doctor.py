@@ -1,0 +1,239 @@
+"""`infercourse doctor agent URL --agent claude-code|codex`: is this server ready for a real agent?
+
+A real agent's first call is not a chat message: Claude Code 2.1.328's is ~49 KB (three system
+blocks, 12 tool schemas, a `role: "system"` message, `max_tokens: 32000`), about 10,000 tokens
+for SmolLM2's tokenizer, and it arrives cold. Each check below asks the server what that call
+will meet, and each grade says which layer fails and what fixes it:
+
+| check | how | fails at |
+|---|---|---|
+| window | the slot's `n_ctx` (`/props`, `/slots`) against the agent's first prompt + output headroom | context |
+| count_tokens | `POST /v1/messages/count_tokens` answers | API (warning) |
+| system message | a `role: "system"` message inside `messages` is accepted | API |
+| header | two calls that differ only in the billing header's suffix: cached tokens of the second | KV cache |
+| model IDs | the agent's main and small/fast model IDs each get an answer | API |
+| cold prefill | prefill rate from a short uncached probe x the first prompt, against the agent's timeout | API |
+
+The first prompt's size comes from a capture of the real agent (`--capture DIR`, a lab run's
+folder) or from `data/agent_shapes.json` (numbers measured from the pinned versions; no text).
+Probing talks to the server (`probe_agent_route`); grading is pure (`grade_agent_route`), and
+`fixes` turns the grades into the settings to paste, with values computed from the probe.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from infercourse.core.errors import InferCourseError
+from infercourse.measure.workloads import DATA_DIR
+from infercourse.ops.layers import LayerCheck
+
+__all__ = ["SHAPES", "agent_shape", "probe_agent_route", "grade_agent_route", "fixes", "doctor_agent_main",
+           "DEFAULT_TIMEOUT_S"]
+
+SHAPES = DATA_DIR / "agent_shapes.json"
+# the agents' own defaults for how long they wait on a silent stream (Claude Code: API_TIMEOUT_MS,
+# 600,000 ms; Codex: stream_idle_timeout_ms, 300,000 ms)
+DEFAULT_TIMEOUT_S = {"claude-code": 600.0, "codex": 300.0}
+DEFAULT_MODELS = {"claude-code": ("claude-sonnet-4-6", "claude-haiku-4-5"), "codex": ("gpt-5.2-codex", None)}
+_STATIC = "The quick brown fox reads the build log, edits one file and runs the tests again. "
+
+
+def agent_shape(agent: str, capture: str | Path | None = None) -> dict[str, Any]:
+    """The agent's first request in numbers: prompt tokens, max_tokens, bytes. From a lab
+    capture when given (its first generating call), else from `data/agent_shapes.json`."""
+    if capture is not None:
+        for line in (Path(capture) / "requests.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            tags = row.get("tags", {})
+            if tags.get("api") in ("anthropic", "openai-responses") and row.get("prompt_tokens"):
+                return {"source": str(capture), "prompt_tokens": row["prompt_tokens"],
+                        "max_tokens": tags.get("max_tokens"), "bytes": tags.get("body_bytes")}
+        raise InferCourseError(f"{capture}: no generating call with a prompt size in this capture")
+    shapes = json.loads(SHAPES.read_text())
+    if agent not in shapes:
+        raise InferCourseError(f"no shape for agent {agent!r} in {SHAPES}; one of {sorted(shapes)}")
+    s = shapes[agent]["first_request"]
+    return {"source": f"{SHAPES.name} ({agent} {shapes[agent]['version']})", **s}
+
+
+def _messages(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
+    r = httpx.post(url + "/v1/messages", json=body, timeout=timeout,
+                   headers={"x-api-key": "dummy", "anthropic-version": "2023-06-01"})
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, {"error": {"message": r.text[:300]}}
+
+
+def _usage(doc: dict[str, Any]) -> tuple[int | None, int | None]:
+    u = doc.get("usage") or {}
+    if "input_tokens" not in u:
+        return None, None
+    cached = u.get("cache_read_input_tokens") or 0
+    return u["input_tokens"] + cached + (u.get("cache_creation_input_tokens") or 0), cached
+
+
+def _header_body(model: str, suffix: str, static: str) -> dict[str, Any]:
+    return {"model": model, "max_tokens": 1, "stream": False,
+            "system": [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.328.{suffix}; "
+                                                "cc_entrypoint=sdk-cli;"},
+                       {"type": "text", "text": static, "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": "Say OK."}]}
+
+
+def probe_agent_route(url: str, agent: str = "claude-code", *, models: tuple[str, str | None] | None = None,
+                      probe_tokens: int = 512, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Ask the server what the agent's calls will meet (loopback URL; ~4 short calls and one
+    uncached prefill of about `probe_tokens`)."""
+    url = url.rstrip("/")
+    ev: dict[str, Any] = {"agent": agent}
+    props = httpx.get(url + "/props", timeout=10)
+    ev["n_ctx_slot"] = ((props.json().get("default_generation_settings") or {}).get("n_ctx")
+                        if props.status_code == 200 else None)
+    served = httpx.get(url + "/v1/models", timeout=10)
+    ev["served_models"] = [m.get("id") for m in served.json().get("data", [])] if served.status_code == 200 else []
+    main, small = models or DEFAULT_MODELS[agent]
+    r = httpx.post(url + "/v1/messages/count_tokens", timeout=30,
+                   json={"model": main, "messages": [{"role": "user", "content": "hello"}]})
+    ev["count_tokens_status"] = r.status_code
+    st, doc = _messages(url, {"model": main, "max_tokens": 1, "messages": [
+        {"role": "system", "content": "You run in a terminal."}, {"role": "user", "content": "Say OK."}]}, timeout_s)
+    ev["system_message_status"], ev["system_message_error"] = st, (doc.get("error") or {}).get("message")
+    ev["model_status"] = {}
+    for mid in (m for m in (main, small) if m):
+        st, doc = _messages(url, {"model": mid, "max_tokens": 1, "messages": [{"role": "user", "content": "OK?"}]},
+                            timeout_s)
+        ev["model_status"][mid] = {"status": st, "error": (doc.get("error") or {}).get("message")}
+    static = uuid.uuid4().hex + " " + _STATIC * max(1, probe_tokens // 18)   # new every probe: cold
+    t0 = time.perf_counter()
+    st, first = _messages(url, _header_body(main, "aaa", static), timeout_s)
+    ev["probe_s"] = time.perf_counter() - t0
+    ev["probe_prompt_tokens"], _ = _usage(first)
+    timings = first.get("timings") or {}
+    ev["prefill_tok_per_s"] = timings.get("prompt_per_second") or (
+        ev["probe_prompt_tokens"] / ev["probe_s"] if ev["probe_prompt_tokens"] else None)
+    _, second = _messages(url, _header_body(main, "bbb", static), timeout_s)   # only the suffix differs
+    ev["header_prompt_tokens"], ev["header_cached_tokens"] = _usage(second)
+    _, third = _messages(url, _header_body(main, "bbb", static), timeout_s)    # control: identical
+    ev["control_prompt_tokens"], ev["control_cached_tokens"] = _usage(third)
+    return ev
+
+
+def _check(layer: str, status: str, summary: str, **evidence: Any) -> LayerCheck:
+    return LayerCheck(layer, status, summary, evidence)
+
+
+def grade_agent_route(ev: dict[str, Any], shape: dict[str, Any], *, timeout_s: float | None = None,
+                      min_output: int = 1024) -> list[LayerCheck]:
+    """Pure: the probe's evidence and the agent's first-request shape -> one check per row of
+    the module's table."""
+    out, first = [], int(shape["prompt_tokens"])
+    n_ctx = ev.get("n_ctx_slot")
+    if n_ctx is None:
+        out.append(_check("context", "warn", "the slot's window is unknown (no /props): cannot check the fit"))
+    elif first >= n_ctx:
+        out.append(_check("context", "fail", f"the agent's first request ({first} tokens) does not fit the slot "
+                          f"({n_ctx} tokens): every call is refused", first_prompt=first, n_ctx_slot=n_ctx))
+    elif n_ctx - first < min_output:
+        out.append(_check("context", "warn", f"{first} of {n_ctx} tokens taken by the first request: "
+                          f"{n_ctx - first} left for the answer and the session", first_prompt=first, n_ctx_slot=n_ctx))
+    else:
+        out.append(_check("context", "ok", f"first request {first} of {n_ctx} tokens; {n_ctx - first} left",
+                          first_prompt=first, n_ctx_slot=n_ctx))
+    asked = shape.get("max_tokens")
+    if n_ctx and asked and first + asked > n_ctx:
+        out.append(_check("context", "warn", f"the agent asks for max_tokens {asked}, the window leaves "
+                          f"{max(0, n_ctx - first)}: the server clips it and a long answer ends with "
+                          "stop_reason max_tokens, silently cut", max_tokens=asked))
+    ct = ev.get("count_tokens_status")
+    out.append(_check("API", "ok" if ct == 200 else "warn",
+                      "count_tokens answers" if ct == 200 else f"no count_tokens (HTTP {ct}): the agent "
+                      "estimates its context instead", http_status=ct))
+    sm = ev.get("system_message_status")
+    out.append(_check("API", "ok" if sm == 200 else "fail",
+                      "a role: system message is accepted" if sm == 200 else
+                      f"a role: system message is refused (HTTP {sm}: {ev.get('system_message_error')})", http_status=sm))
+    prompt, cached = ev.get("header_prompt_tokens"), ev.get("header_cached_tokens")
+    ctl_p, ctl_c = ev.get("control_prompt_tokens"), ev.get("control_cached_tokens")
+    if prompt and ctl_p:
+        share, control = cached / prompt, ctl_c / ctl_p
+        if control < 0.5:
+            out.append(_check("KV cache", "warn", f"no prefix reuse even for an identical call ({control:.0%} "
+                              "cached): the header test says nothing", control_share=control))
+        elif share < 0.5:
+            out.append(_check("KV cache", "fail", f"a new header suffix busts the cache: {cached} of {prompt} "
+                              f"tokens reused (identical call: {ctl_c} of {ctl_p}); each new task re-prefills "
+                              "everything", share=share, control_share=control))
+        else:
+            out.append(_check("KV cache", "ok", f"a new header suffix keeps the cache: {cached} of {prompt} reused",
+                              share=share))
+    for mid, r in (ev.get("model_status") or {}).items():
+        ok = r["status"] == 200
+        out.append(_check("API", "ok" if ok else "fail", f"model ID {mid!r} " + (
+            "answers" if ok else f"refused (HTTP {r['status']}: {r['error']})"), model=mid, http_status=r["status"],
+            error=r["error"]))
+    rate, limit = ev.get("prefill_tok_per_s"), timeout_s or DEFAULT_TIMEOUT_S.get(ev.get("agent"), 600.0)
+    if rate:
+        cold = first / rate
+        out.append(_check("API", "ok" if cold < 0.5 * limit else ("warn" if cold < limit else "fail"),
+                          f"a cold first call needs about {cold:.0f} s of prefill ({first} tokens at "
+                          f"{rate:.0f} tok/s, an optimistic bound: prefill slows as the context grows) against the "
+                          f"agent's {limit:.0f} s timeout", cold_prefill_s=cold, timeout_s=limit))
+    return out
+
+
+def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], checks: list[LayerCheck],
+          served_name: str | None = None) -> str:
+    """The settings that fix what the checks found, with values from the probe: Claude
+    Code's `env` block, or Codex's provider block."""
+    from infercourse.ops.agents import claude_settings, codex_config
+    n_ctx = ev.get("n_ctx_slot")
+    rate = ev.get("prefill_tok_per_s")
+    cold = int(shape["prompt_tokens"]) / rate if rate else None
+    timeout_s = max(DEFAULT_TIMEOUT_S[agent], 3 * cold) if cold else DEFAULT_TIMEOUT_S[agent]
+    name = served_name or (ev.get("served_models") or ["local-model"])[0]
+    if agent == "codex":
+        return codex_config(url, name, stream_idle_timeout_ms=int(timeout_s * 1000), stream_max_retries=1,
+                            request_max_retries=1, context_window=n_ctx)
+    env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_MODEL": name, "ANTHROPIC_DEFAULT_HAIKU_MODEL": name,
+           "API_TIMEOUT_MS": int(timeout_s * 1000), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": 1}
+    if any(c.layer == "KV cache" and c.status == "fail" for c in checks):
+        env["CLAUDE_CODE_ATTRIBUTION_HEADER"] = 0
+    if n_ctx:
+        env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = n_ctx
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = max(256, min(32000, (n_ctx - int(shape["prompt_tokens"])) // 2))
+    return claude_settings(env)
+
+
+def doctor_agent_main(argv: list[str] | None = None) -> int:
+    """`infercourse doctor agent URL --agent claude-code|codex [--capture DIR]`."""
+    import argparse
+    from infercourse.core.loopback import refuse_remote
+    p = argparse.ArgumentParser(prog="infercourse doctor agent", description=__doc__.splitlines()[0])
+    p.add_argument("url")
+    p.add_argument("--agent", choices=("claude-code", "codex"), default="claude-code")
+    p.add_argument("--capture", type=Path, help="a lab run's folder: use its measured first request")
+    p.add_argument("--timeout", type=float, help="the agent's stream timeout in seconds (default: its own)")
+    p.add_argument("--allow-remote", action="store_true", help="permit a server that is not on loopback")
+    a = p.parse_args(argv)
+    why = refuse_remote(a.url, what="doctor agent", allow_remote=a.allow_remote)
+    if why:
+        p.error(why)
+    shape = agent_shape(a.agent, a.capture)
+    try:
+        ev = probe_agent_route(a.url, a.agent)
+    except httpx.HTTPError as e:
+        print(f"error: server at {a.url} not reachable: {e} (API layer)")
+        return 1
+    checks = grade_agent_route(ev, shape, timeout_s=a.timeout)
+    print(f"{a.agent} against {a.url} (first request: {shape['prompt_tokens']} tokens, from {shape['source']})")
+    for c in checks:
+        print(f"  [{c.status:4}] {c.layer:8} {c.summary}")
+    print("\nsettings that fix what was found:\n" + fixes(a.agent, a.url, ev, shape, checks))
+    return 1 if any(c.status == "fail" for c in checks) else 0

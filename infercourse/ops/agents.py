@@ -1,0 +1,188 @@
+"""The real coding agents: Claude Code and Codex CLI, installed, configured and launched.
+
+Both are npm packages that ship a native binary: `@anthropic-ai/claude-code` (speaks the
+Anthropic Messages API, `POST /v1/messages`) and `@openai/codex` (the OpenAI Responses API,
+`POST /v1/responses`). The course pins one version of each in `tools/agents/package.json`
+with its lock file, and `python -m infercourse.ops.agents install` installs exactly those
+(`npm ci`) into `cache_dir()/agents`, never into the repo. Where `npm` is absent it says how
+to install them and every cell that needs them skips with that reason.
+
+Every launch is sealed the same way, whatever the caller passes:
+
+- a throwaway `HOME` (and `CODEX_HOME`): no user settings, credentials or history leak in,
+  and the agent's own files (sessions, logs) stay in the run's folder;
+- a dummy API key: the server here checks none, and a real key must never be sent;
+- `CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1` and `DISABLE_AUTOUPDATER=1` (Claude Code's
+  telemetry, error reports and auto-update off); Codex's update check off in its config;
+- on Linux, the agent runs only inside a loopback-only network namespace (`ops.netns`), with
+  the server it talks to in the same namespace (`ops.agent_lab`).
+
+The settings a learner pastes on their own machine are printed by `claude_settings` and
+`codex_config`, with values `ops.agent_doctor` computes from measurements.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from infercourse.core.errors import AgentLayerError
+from infercourse.models.embedded import cache_dir
+
+__all__ = ["AGENTS", "PINS", "agents_dir", "binary", "version", "missing_reason", "install",
+           "sealed_env", "claude_argv", "codex_argv", "codex_config", "claude_settings", "DUMMY_KEY"]
+
+AGENTS = ("claude-code", "codex")
+_PKG = {"claude-code": ("@anthropic-ai/claude-code", "claude"), "codex": ("@openai/codex", "codex")}
+SPEC_DIR = Path(__file__).resolve().parents[2] / "tools" / "agents"
+PINS = {a: json.loads((SPEC_DIR / "package.json").read_text())["dependencies"][pkg]
+        for a, (pkg, _) in _PKG.items()} if (SPEC_DIR / "package.json").is_file() else {}
+DUMMY_KEY = "sk-local-dummy-not-a-real-key"
+# Claude Code's documented switches for a machine with no vendor cloud (code.claude.com/docs/en/env-vars)
+QUIET_ENV = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+             "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "NO_COLOR": "1"}
+
+
+def agents_dir() -> Path:
+    return cache_dir() / "agents"
+
+
+def binary(agent: str) -> Path | None:
+    """The installed agent's executable, or None."""
+    pkg, exe = _PKG[agent]
+    path = agents_dir() / "node_modules" / ".bin" / exe
+    return path if path.exists() else None
+
+
+def version(agent: str) -> str | None:
+    """The installed package's version (from its package.json: no process started)."""
+    f = agents_dir() / "node_modules" / _PKG[agent][0] / "package.json"
+    return json.loads(f.read_text())["version"] if f.is_file() else None
+
+
+def missing_reason(agent: str) -> str | None:
+    """None when `agent` is installed at the pinned version, else why not and what to run."""
+    if agent not in _PKG:
+        raise AgentLayerError(f"unknown agent {agent!r}; one of {', '.join(AGENTS)}")
+    if binary(agent) is None:
+        how = ("`make agents` (or `python -m infercourse.ops.agents install`)" if shutil.which("npm")
+               else "install Node.js >= 20 with npm, then `make agents`")
+        return f"{agent} is not installed in {agents_dir()}: {how}"
+    if PINS and version(agent) != PINS[agent]:
+        return f"{agent} {version(agent)} is installed, the course pins {PINS[agent]}: run `make agents`"
+    return None
+
+
+def install(quiet: bool = False) -> str:
+    """`npm ci` of the pinned agents into `agents_dir()`; returns what it did (or why not)."""
+    if shutil.which("npm") is None:
+        return ("npm not found: the real-agent notebook will skip. Install Node.js >= 20 (with npm), "
+                "then `make agents`")
+    dest = agents_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    if all(missing_reason(a) is None for a in AGENTS):
+        return f"agents already installed in {dest}: " + ", ".join(f"{a} {version(a)}" for a in AGENTS)
+    for name in ("package.json", "package-lock.json"):
+        shutil.copyfile(SPEC_DIR / name, dest / name)
+    out = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=dest,
+                         capture_output=True, text=True, timeout=900)
+    (dest / "npm.log").write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        raise AgentLayerError(f"npm ci failed in {dest} (code {out.returncode}); its output is in "
+                              f"{dest / 'npm.log'}")
+    return f"installed in {dest}: " + ", ".join(f"{a} {version(a)}" for a in AGENTS)
+
+
+def sealed_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The whole environment of an agent process: PATH and locale from ours, nothing else of
+    the user's, a throwaway HOME, the quiet switches, a dummy key; `extra` on top (the
+    route's URL, model names, a timeout) but never a different HOME or a real key."""
+    import os
+    home.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TERM", "TMPDIR", "TZ")}
+    env.update(QUIET_ENV, HOME=str(home), CODEX_HOME=str(home / ".codex"), XDG_CONFIG_HOME=str(home / ".config"),
+               ANTHROPIC_API_KEY=DUMMY_KEY, COURSE_API_KEY=DUMMY_KEY)
+    for k, v in (extra or {}).items():
+        if k in ("HOME", "CODEX_HOME", "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "OPENAI_API_KEY"):
+            raise AgentLayerError(f"{k} is set by the lab (a throwaway home, a dummy key), not by the caller")
+        env[k] = str(v)
+    return env
+
+
+def claude_argv(task: str, *, system_prompt: str | None = None, tools: str | None = None,
+                max_turns: int | None = 1, resume: bool = False) -> list[str]:
+    """`claude -p TASK --output-format json`, shrunk with the agent's own flags when asked:
+    `system_prompt` replaces the default system text, `tools` limits the tool list
+    (e.g. "Read"); `resume` continues the last conversation in the working folder."""
+    exe = binary("claude-code")
+    if exe is None:
+        raise AgentLayerError(missing_reason("claude-code"))
+    argv = [str(exe), "-p", task, "--output-format", "json"]
+    if system_prompt is not None:
+        argv += ["--system-prompt", system_prompt]
+    if tools is not None:
+        argv += ["--tools", tools]
+    if max_turns is not None:
+        argv += ["--max-turns", str(max_turns)]
+    if resume:
+        argv.append("--continue")
+    return argv
+
+
+def codex_argv(task: str, workdir: Path) -> list[str]:
+    """`codex exec TASK` in `workdir`, JSON events on stdout (no git repo needed)."""
+    exe = binary("codex")
+    if exe is None:
+        raise AgentLayerError(missing_reason("codex"))
+    return [str(exe), "exec", "--skip-git-repo-check", "--json", "-C", str(workdir), task]
+
+
+def codex_config(base_url: str, model: str, *, stream_max_retries: int | None = None,
+                 request_max_retries: int | None = None, stream_idle_timeout_ms: int | None = None,
+                 context_window: int | None = None, instructions_file: str | None = None) -> str:
+    """Codex's `config.toml`: one provider block for a local server over the Responses API.
+    Keys from Codex's configuration reference (model_providers.<id>: base_url, wire_api,
+    env_key, request_max_retries, stream_max_retries, stream_idle_timeout_ms;
+    model_context_window and model_instructions_file, which replaces Codex's own instructions
+    with a file's text: the CI size's way to shrink the request, at the root)."""
+    lines = [f'model = "{model}"', 'model_provider = "course"', "check_for_update_on_startup = false"]
+    if instructions_file:
+        lines.append(f'model_instructions_file = "{instructions_file}"')
+    if context_window:
+        lines.append(f"model_context_window = {int(context_window)}")
+    lines += ["", "[model_providers.course]", 'name = "course llama-server"', f'base_url = "{base_url.rstrip("/")}/v1"',
+              'wire_api = "responses"', 'env_key = "COURSE_API_KEY"']
+    for key, value in (("request_max_retries", request_max_retries), ("stream_max_retries", stream_max_retries),
+                       ("stream_idle_timeout_ms", stream_idle_timeout_ms)):
+        if value is not None:
+            lines.append(f"{key} = {int(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def claude_settings(env: dict[str, Any]) -> str:
+    """The `env` block of `~/.claude/settings.json` for a learner's own machine."""
+    return json.dumps({"env": {k: str(v) for k, v in env.items()}}, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["install"]:
+        try:
+            print(install())
+        except AgentLayerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if args[:1] == ["status"]:
+        for a in AGENTS:
+            print(f"{a}: {missing_reason(a) or f'{version(a)} at {binary(a)}'}")
+        return 0
+    print("usage: python -m infercourse.ops.agents install|status", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

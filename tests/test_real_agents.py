@@ -1,0 +1,320 @@
+"""Real coding agents in the lab: the sealed namespace, the recording proxy, the anatomy of a
+request, `doctor agent`, and the sentences notebook 18b computes from a run.
+
+The capture, report and doctor paths run with the course's stand-in agent
+(`infercourse.testing_agent`) against a real llama-server; the real agents (Claude Code,
+Codex CLI) run where `make agents` installed them, inside a loopback-only namespace, bounded
+in time; elsewhere those tests skip with the reason.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from infercourse.core.errors import AgentLayerError
+from infercourse.lessons import real_agent as ra
+from infercourse.ops import agent_doctor, agents, netns
+from infercourse.ops.agent_anatomy import first_difference, parts
+from infercourse.ops.agent_capture import SSEWatcher, api_of
+from infercourse.ops.agent_lab import LabSpec, Task, calls_table, run_lab, tasks_table
+
+words = lambda text: len(text.split())   # noqa: E731 - a stand-in token counter for pure tests
+needs_netns = pytest.mark.skipif(not netns.available(), reason=f"no loopback-only namespace: {netns.why_not()}")
+
+
+# -- the recording proxy's reading of a stream ----------------------------------------------
+def _feed(w: SSEWatcher, text: str, crlf: bool = False) -> SSEWatcher:
+    data = text.replace("\n", "\r\n") if crlf else text
+    for i, chunk in enumerate([data[:17], data[17:60], data[60:]]):   # events split across chunks
+        w.feed(chunk.encode(), float(i))
+    w.close(9.0)
+    return w
+
+
+ANTHROPIC = """event: message_start
+data: {"type":"message_start","message":{"usage":{"input_tokens":20,"cache_read_input_tokens":100,"output_tokens":0}}}
+
+event: content_block_start
+data: {"type":"content_block_start","index":0,"content_block":{"type":"tool_use","id":"t","name":"Read","input":{}}}
+
+event: content_block_delta
+data: {"type":"content_block_delta","index":0,"delta":{"type":"input_json_delta","partial_json":"{}"}}
+
+event: message_delta
+data: {"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"output_tokens":7}}
+
+"""
+
+
+@pytest.mark.parametrize("crlf", [False, True])
+def test_watcher_reads_anthropic_usage_first_output_and_stop(crlf):
+    w = _feed(SSEWatcher("anthropic"), ANTHROPIC, crlf)
+    assert w.tokens() == {"prompt_tokens": 120, "cached_tokens": 100, "output_tokens": 7}
+    assert w.first_t is not None and len(w.event_t) == 2      # the tool call's start is the first output
+    assert w.stop_reason == "tool_use" and w.error is None
+
+
+def test_watcher_reads_responses_and_errors_without_event_lines():
+    resp = ('data: {"type":"response.created","response":{"status":"in_progress"}}\n\n'
+            'data: {"type":"response.output_text.delta","delta":"OK"}\n\n'
+            'data: {"type":"response.completed","response":{"status":"completed","usage":{"input_tokens":50,'
+            '"input_tokens_details":{"cached_tokens":40},"output_tokens":2}}}\n\n')
+    w = _feed(SSEWatcher("openai-responses"), resp)
+    assert w.tokens() == {"prompt_tokens": 50, "cached_tokens": 40, "output_tokens": 2}
+    assert len(w.event_t) == 1 and w.stop_reason == "completed"
+    err = _feed(SSEWatcher("anthropic"), 'data: {"type":"error","error":{"type":"overloaded_error","message":"busy"}}\n\n')
+    assert err.error == "busy" and err.first_t is None
+
+
+def test_api_of_paths():
+    assert [api_of(p) for p in ("/v1/messages?beta=true", "/v1/messages/count_tokens", "/v1/responses",
+                                "/v1/chat/completions", "/v1/models")] == \
+        ["anthropic", "anthropic-count", "openai-responses", "openai-chat", "other"]
+
+
+# -- anatomy: parts and the first difference -------------------------------------------------
+def _claude_body(suffix: str, task: str, history: int = 0) -> dict:
+    msgs = [{"role": "user", "content": task}, {"role": "system", "content": "env block one two"}]
+    msgs += [{"role": "assistant", "content": f"step {k}"} for k in range(history)]
+    return {"system": [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.328.{suffix};"},
+                       {"type": "text", "text": "static instructions " * 5}],
+            "tools": [{"name": "Read", "input_schema": {}}], "messages": msgs}
+
+
+def test_parts_follow_template_order_for_each_api():
+    kinds = [k for k, _, _ in parts(_claude_body("aaa", "t"), "anthropic")]
+    assert kinds == ["system", "system", "tool", "message", "message"]
+    chat = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
+    assert [lbl for _, lbl, _ in parts(chat, "openai-chat")] == ["message 0 (system)", "tool 0: f", "message 1 (user)"]
+    resp = {"instructions": "i", "tools": [{"type": "function", "name": "shell"}], "input": "hi"}
+    assert [k for k, _, _ in parts(resp, "openai-responses")] == ["system", "tool", "message"]
+    with pytest.raises(ValueError):
+        parts({}, "other")
+
+
+def test_first_difference_finds_the_header_a_new_turn_and_nothing():
+    a = parts(_claude_body("aaa", "task one"), "anthropic")
+    new_task = first_difference(a, parts(_claude_body("bbb", "task two"), "anthropic"), words)
+    # the same start: "x-anthropic-billing-header:" and "cc_version=2.1.328." (2 words), then the suffix
+    assert new_task["part"] == "system 0" and new_task["tokens_before"] == 2
+    grown = first_difference(parts(_claude_body("aaa", "t", 1), "anthropic"),
+                             parts(_claude_body("aaa", "t", 2), "anthropic"), words)
+    assert grown["part"] == "message 3 (assistant)" and grown["kind"] == "message"
+    same = first_difference(a, a, words)
+    assert same["part"] is None and same["kind"] == "identical" and same["tokens_before"] == same["tokens_total"]
+    assert first_difference(None, a, words)["kind"] == "first call"
+
+
+# -- the seal ----------------------------------------------------------------------------------
+def test_wrap_refuses_without_a_namespace_unless_asked(monkeypatch):
+    monkeypatch.setattr(netns, "why_not", lambda: "no unshare here")
+    monkeypatch.setattr(sys, "platform", "linux")
+    with pytest.raises(AgentLayerError, match="loopback-only network namespace"):
+        netns.wrap(["agent"])
+    assert netns.wrap(["agent"], allow_host_network=True) == ["agent"]
+
+
+def test_run_lab_refuses_before_starting_anything(monkeypatch, tmp_path):
+    monkeypatch.setattr(netns, "why_not", lambda: "no unshare here")
+    monkeypatch.setattr(sys, "platform", "linux")
+    with pytest.raises(AgentLayerError):
+        run_lab(LabSpec(str(tmp_path / "run"), [Task("t", "stand-in", "hi")]))
+    assert not (tmp_path / "run" / "manifest.json").exists()
+
+
+@needs_netns
+def test_the_namespace_holds_only_loopback():
+    probe = ("from infercourse.ops import netns; netns.bring_up_loopback(); netns.assert_only_loopback(); "
+             "import socket; s = socket.socket(); s.settimeout(3)\n"
+             "try:\n    s.connect(('192.0.2.1', 80)); print('REACHED')\nexcept OSError as e:\n    print('UNREACHABLE', e)")
+    out = subprocess.run(netns.wrap([sys.executable, "-c", probe]), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("UNREACHABLE")      # TEST-NET-1: no route out of the namespace
+
+
+def test_sealed_env_keeps_the_users_environment_and_keys_out(monkeypatch, tmp_path):
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-real-key")
+    monkeypatch.setenv("SECRET_OF_THE_USER", "x")
+    env = agents.sealed_env(tmp_path / "home", {"ANTHROPIC_BASE_URL": "http://127.0.0.1:1"})
+    assert env["HOME"] == str(tmp_path / "home") and env["ANTHROPIC_API_KEY"] == agents.DUMMY_KEY
+    assert "SECRET_OF_THE_USER" not in env and env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+    assert env["DISABLE_AUTOUPDATER"] == "1"
+    for k in ("HOME", "ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
+        with pytest.raises(AgentLayerError):
+            agents.sealed_env(tmp_path / "h2", {k: "x"})
+
+
+def test_codex_config_is_toml_with_one_local_provider():
+    tomllib = pytest.importorskip("tomllib")
+    cfg = tomllib.loads(agents.codex_config("http://127.0.0.1:9", "m", stream_max_retries=5,
+                                            stream_idle_timeout_ms=4000, context_window=8192))
+    p = cfg["model_providers"][cfg["model_provider"]]
+    assert p["base_url"] == "http://127.0.0.1:9/v1" and p["wire_api"] == "responses"
+    assert p["stream_max_retries"] == 5 and p["stream_idle_timeout_ms"] == 4000
+    assert cfg["model_context_window"] == 8192 and cfg["model"] == "m"
+
+
+# -- doctor agent: grading is pure ------------------------------------------------------------
+GOOD = {"agent": "claude-code", "n_ctx_slot": 32768, "count_tokens_status": 200, "system_message_status": 200,
+        "header_prompt_tokens": 600, "header_cached_tokens": 590, "control_prompt_tokens": 600,
+        "control_cached_tokens": 599, "model_status": {"main": {"status": 200, "error": None}},
+        "prefill_tok_per_s": 100.0, "served_models": ["smollm2-135m"]}
+SHAPE = {"prompt_tokens": 10000, "max_tokens": 32000, "source": "test"}
+
+
+def _status(checks, layer):
+    return [c.status for c in checks if c.layer == layer]
+
+
+def test_doctor_grades_flip_with_the_evidence():
+    good = agent_doctor.grade_agent_route(GOOD, SHAPE)
+    assert "fail" not in [c.status for c in good]
+    small = agent_doctor.grade_agent_route({**GOOD, "n_ctx_slot": 8192}, SHAPE)
+    assert _status(small, "context")[0] == "fail"
+    busted = agent_doctor.grade_agent_route({**GOOD, "header_cached_tokens": 20}, SHAPE)
+    assert _status(busted, "KV cache") == ["fail"]
+    refused = agent_doctor.grade_agent_route({**GOOD, "system_message_status": 400,
+                                              "model_status": {"haiku": {"status": 400, "error": "not found"}}}, SHAPE)
+    assert _status(refused, "API").count("fail") == 2
+    slow = agent_doctor.grade_agent_route({**GOOD, "prefill_tok_per_s": 10.0}, SHAPE)   # 1000 s > 600 s
+    assert [c for c in slow if "cold first call" in c.summary][0].status == "fail"
+
+
+def test_doctor_fixes_follow_the_findings():
+    checks = agent_doctor.grade_agent_route({**GOOD, "header_cached_tokens": 20}, SHAPE)
+    env = json.loads(agent_doctor.fixes("claude-code", "http://127.0.0.1:8", GOOD, SHAPE, checks))["env"]
+    assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0" and env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "32768"
+    assert int(env["API_TIMEOUT_MS"]) >= 600000
+    clean = json.loads(agent_doctor.fixes("claude-code", "http://127.0.0.1:8", GOOD, SHAPE,
+                                          agent_doctor.grade_agent_route(GOOD, SHAPE)))["env"]
+    assert "CLAUDE_CODE_ATTRIBUTION_HEADER" not in clean
+    slow = {**GOOD, "prefill_tok_per_s": 5.0}   # a 2000 s cold prefill: the timeout must exceed it
+    assert int(json.loads(agent_doctor.fixes("claude-code", "u", slow, SHAPE, []))["env"]["API_TIMEOUT_MS"]) > 2000_000
+    assert "stream_idle_timeout_ms" in agent_doctor.fixes("codex", "http://127.0.0.1:8", GOOD, SHAPE, checks)
+
+
+# -- the sentences 18b computes -----------------------------------------------------------------
+def _tab(**rows):
+    return pd.DataFrame(rows).T
+
+
+def test_cold_warm_sentence_flips_with_the_aa_spread():
+    base = dict(evaluated_tokens=1000, prompt_tokens=1000)
+    tab = _tab(cold={**base, "ttft_s": 20.0}, warm={**base, "ttft_s": 1.0}, again={**base, "ttft_s": 1.1})
+    assert "beyond it" in ra.cold_warm_sentence(tab, "cold", "warm", "again")
+    close = _tab(cold={**base, "ttft_s": 1.2}, warm={**base, "ttft_s": 1.0}, again={**base, "ttft_s": 1.5})
+    assert "within it" in ra.cold_warm_sentence(close, "cold", "warm", "again")
+
+
+def test_header_sentence_flips():
+    on = dict(evaluated_tokens=900, prompt_tokens=1000, first_diff="system 0")
+    off = dict(evaluated_tokens=20, prompt_tokens=1000, first_diff="message 0 (user)")
+    assert ": more with the header on" in ra.header_sentence(_tab(on=on, off=off), "on", "off")
+    assert ": fewer with the header on" in ra.header_sentence(_tab(on=off, off=on), "on", "off")
+
+
+def test_compaction_sentence_sees_a_shrinking_prompt_or_none():
+    grow = pd.DataFrame({"turn": ["t0", "t1", "t2"], "calls": 1, "answered": [1, 1, 0],
+                         "largest prompt": [800, 1600, 2400], "refused": [0, 0, 1], "agent's window": 1e6,
+                         "agent said": ""})
+    shrink = grow.assign(**{"largest prompt": [800, 1600, 900], "answered": 1, "refused": 0})
+    s = ra.compaction_sentence(grow, shrink, 2048)
+    assert "as is, 2 of 3 turns answered, first refusal at t2, the prompt never shrank" in s
+    assert "Told the window: 3 of 3 turns answered, no refusal, the prompt shrank at t2 (compaction)" in s
+
+
+def test_amplification_sentence_reports_the_factor():
+    tab = _tab(short=dict(calls=6, answered=1, evaluated_tokens=5000, request_tokens=1000, amplification=5.0),
+               long=dict(calls=1, answered=1, evaluated_tokens=1000, request_tokens=1000, amplification=1.0))
+    s = ra.amplification_sentence(tab, "short", "long")
+    assert "6 copies" in s and "(5.0x)" in s and "(1.0x)" in s
+
+
+# -- the lab, end to end, with the stand-in agent on a real llama-server ----------------------
+@pytest.fixture(scope="module")
+def stand_in_run(tmp_path_factory):
+    if not netns.available():
+        pytest.skip(f"no loopback-only namespace: {netns.why_not()}")
+    out = tmp_path_factory.mktemp("lab") / "run"
+    off = {"CLAUDE_CODE_ATTRIBUTION_HEADER": "0", "STANDIN_MAX_TOKENS": "4"}
+    on = {"STANDIN_MAX_TOKENS": "4"}
+    tasks = [Task("A", "stand-in", "task A", env=on, timeout_s=300), Task("A again", "stand-in", "task A", env=on, timeout_s=300),
+             Task("B", "stand-in", "task B", env=on, timeout_s=300), Task("C off", "stand-in", "task C", env=off, timeout_s=300),
+             Task("D off", "stand-in", "task D", env=off, timeout_s=300)]
+    return run_lab(LabSpec(str(out), tasks, ctx=2048))
+
+
+@pytest.mark.slow
+def test_lab_captures_every_call_with_the_servers_own_counts(stand_in_run):
+    calls = calls_table(stand_in_run).set_index("task")
+    assert list(calls.index) == ["A", "A again", "B", "C off", "D off"] and (calls["status"] == "ok").all()
+    # the server's evaluated-token counter agrees with its usage block, call by call
+    assert (calls["evaluated_tokens"] == calls["prompt_tokens"] - calls["cached_tokens"]).all()
+    assert calls.loc["A again", "first_diff"] == "identical"
+    assert calls.loc["B", "first_diff"] == "system 0" and calls.loc["D off", "first_diff"].startswith("message")
+    # the finder's position is what the server could reuse, give or take the template's markup
+    assert abs(calls.loc["B", "cached_tokens"] - calls.loc["B", "tokens_before_diff"]) <= 8
+    assert calls.loc["D off", "evaluated_tokens"] < calls.loc["B", "evaluated_tokens"] / 3
+    assert (calls["ttft_s"] > 0).all() and (calls["e2e_s"] >= calls["ttft_s"]).all()
+
+
+@pytest.mark.slow
+def test_lab_run_keeps_its_conditions_and_bodies_in_the_results(stand_in_run):
+    man = json.loads((stand_in_run / "manifest.json").read_text())
+    assert man["network"] == {"namespace": "loopback-only", "interfaces": ["lo"]}
+    assert len(man["model"]["sha256"]) == 64 and "llama-server" in man["engine"]["server"]
+    assert all(k in man for k in ("hardware", "sampling", "load", "workload"))
+    assert len(list((stand_in_run / "bodies").glob("*.json"))) == 5
+    tasks = tasks_table(stand_in_run)
+    assert (tasks["exit"] == 0).all() and (tasks["assumed_context_window"].map(lambda d: max(d.values())) > 0).all()
+    # the CLI renders it, and so does the generic report
+    from infercourse.cli import report_main
+    from infercourse.cli_agent import agent_main
+    assert agent_main(["report", str(stand_in_run)]) == 0
+    assert report_main([str(stand_in_run)]) == 0
+
+
+@pytest.mark.slow
+def test_doctor_agent_on_a_real_server(stand_in_run):
+    text = ra.doctor_on_fresh_server(1024, stand_in_run)
+    # the stand-in's first request fits 1024 with room; this llama-server keeps a cc_version suffix
+    # in the prompt (it normalises only cch=), so a new suffix busts the cache
+    assert "[fail] KV cache" in text and '"CLAUDE_CODE_ATTRIBUTION_HEADER": "0"' in text
+    assert "a role: system message is accepted" in text and "count_tokens answers" in text
+    small = ra.doctor_on_fresh_server(256, stand_in_run)
+    assert "[fail] context" in small
+
+
+# -- the real agents, where installed: sealed, bounded, small ----------------------------------
+def _real(agent: str):
+    why = netns.why_not() or agents.missing_reason(agent)
+    return pytest.mark.skipif(why is not None, reason=why or "")
+
+
+@pytest.mark.slow
+@_real("claude-code")
+def test_claude_code_first_request_is_captured_in_the_namespace(tmp_path):
+    out = run_lab(LabSpec(str(tmp_path / "cc"), [ra.claude_task("hello", "Reply with the single word OK.", "ci",
+                                                                env=ra.SHORT_ANSWER, timeout_s=900)], ctx=4096))
+    calls = calls_table(out)
+    gen = calls[calls["api"] == "anthropic"]
+    assert len(gen) >= 1 and gen["status"].iloc[0] == "ok" and gen["max_tokens"].iloc[0] == 64
+    body = json.loads((out / "bodies" / f"{int(gen['request_id'].iloc[0]):03d}.json").read_text())
+    assert body["system"][0]["text"].startswith("x-anthropic-billing-header:")
+    assert any(m["role"] == "system" for m in body["messages"])            # the env block as a message
+    assert ra.first_call_parts(out, int(gen["request_id"].iloc[0]))["tokens"].sum() > 0
+
+
+@pytest.mark.slow
+@_real("codex")
+def test_codex_speaks_responses_in_the_namespace(tmp_path):
+    out = run_lab(LabSpec(str(tmp_path / "cx"), [ra.codex_task("hello", "Reply with the single word OK.", "ci",
+                                                               timeout_s=900)], ctx=8192))
+    calls = calls_table(out)
+    gen = calls[calls["api"] == "openai-responses"]
+    assert len(gen) >= 1 and gen["status"].iloc[0] == "ok" and gen["prompt_tokens"].iloc[0] > 0
