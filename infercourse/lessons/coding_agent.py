@@ -255,8 +255,10 @@ def claude_code_settings(url: str, model: str = "local-model") -> str:
     env-vars: ANTHROPIC_BASE_URL, ANTHROPIC_AUTH_TOKEN, ANTHROPIC_API_KEY, ANTHROPIC_MODEL,
     API_TIMEOUT_MS, CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC); CLAUDE_CODE_ATTRIBUTION_HEADER=0
     drops the per-request `x-anthropic-billing-header` block (ollama/ollama PR #14918 sets it
-    in `ollama launch claude`; musistudio/claude-code-router PR #1220); llama.cpp PR #21793
-    (in this build) and vLLM PR #36829 neutralise that header server-side."""
+    in `ollama launch claude`; musistudio/claude-code-router PR #1220). llama.cpp PR #21793
+    (in this build) normalises only the header's `cch=` field, which Claude Code 2.1.328 no
+    longer sends; its per-task `cc_version` suffix still busts the cache (measured with the real
+    client in notebook 18b), so the client-side switch is the fix."""
     env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": "local", "ANTHROPIC_API_KEY": "",
            "ANTHROPIC_MODEL": model, "API_TIMEOUT_MS": "600000",
            "CLAUDE_CODE_ATTRIBUTION_HEADER": "0", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
