@@ -229,8 +229,8 @@ def test_compaction_sentence_sees_a_shrinking_prompt_or_none():
 
 
 def test_amplification_sentence_reports_the_factor():
-    tab = _tab(short=dict(calls=6, answered=1, evaluated_tokens=5000, request_tokens=1000, amplification=5.0),
-               long=dict(calls=1, answered=1, evaluated_tokens=1000, request_tokens=1000, amplification=1.0))
+    tab = _tab(short=dict(calls=6, answered=1, server_evaluated=5000, request_tokens=1000, amplification=5.0),
+               long=dict(calls=1, answered=1, server_evaluated=1000, request_tokens=1000, amplification=1.0))
     s = ra.amplification_sentence(tab, "short", "long")
     assert "6 copies" in s and "(5.0x)" in s and "(1.0x)" in s
 
@@ -299,7 +299,7 @@ def _real(agent: str):
 @pytest.mark.slow
 @_real("claude-code")
 def test_claude_code_first_request_is_captured_in_the_namespace(tmp_path):
-    out = run_lab(LabSpec(str(tmp_path / "cc"), [ra.claude_task("hello", "Reply with the single word OK.", "ci",
+    out = run_lab(LabSpec(str(tmp_path / "cc"), [ra.claude_task("hello", "Say hello.", "ci",
                                                                 env=ra.SHORT_ANSWER, timeout_s=900)], ctx=4096))
     calls = calls_table(out)
     gen = calls[calls["api"] == "anthropic"]
@@ -313,8 +313,37 @@ def test_claude_code_first_request_is_captured_in_the_namespace(tmp_path):
 @pytest.mark.slow
 @_real("codex")
 def test_codex_speaks_responses_in_the_namespace(tmp_path):
-    out = run_lab(LabSpec(str(tmp_path / "cx"), [ra.codex_task("hello", "Reply with the single word OK.", "ci",
+    out = run_lab(LabSpec(str(tmp_path / "cx"), [ra.codex_task("hello", "Say hello.", "ci",
                                                                timeout_s=900)], ctx=8192))
     calls = calls_table(out)
     gen = calls[calls["api"] == "openai-responses"]
     assert len(gen) >= 1 and gen["status"].iloc[0] == "ok" and gen["prompt_tokens"].iloc[0] > 0
+
+
+# -- what the repository may hold: numbers derived from captures, never their text --------------
+def test_committed_shapes_hold_numbers_and_field_names_only():
+    shapes = json.loads(agent_doctor.SHAPES.read_text())
+    allowed_strings = {"version", "api", "tokenizer"}
+
+    def walk(node, key=""):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, k)
+        elif isinstance(node, list):
+            assert key == "fields" and all(isinstance(x, str) and x.isidentifier() for x in node)
+        elif isinstance(node, str):
+            assert key in allowed_strings and len(node) < 60, (key, node[:80])
+    for agent in agents.AGENTS:
+        walk(shapes[agent])
+        assert agent_doctor.agent_shape(agent)["prompt_tokens"] > 1000
+
+
+def test_no_captured_body_is_tracked_by_git():
+    root = agent_doctor.SHAPES.parents[1]
+    out = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    tracked = out.stdout.splitlines()
+    assert not [f for f in tracked if "/bodies/" in f or "/homes/" in f or "node_modules" in f]
+    check = subprocess.run(["git", "check-ignore", "-q", "elsewhere/run/bodies/000.json"], cwd=root)
+    assert check.returncode == 0   # a results folder's bodies are ignored wherever they land

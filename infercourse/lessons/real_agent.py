@@ -137,20 +137,22 @@ def _embedded_counter():
 
 
 def evaluated_by_task(out: str | Path) -> pd.DataFrame:
-    """Per task: calls, answered calls, prompt tokens of the answered calls, tokens the server
-    evaluated (its /metrics counter over the task), and the first part that differed."""
+    """Per task: its first model call (prompt, cached and evaluated tokens, TTFT, the first part
+    that differed from the call before it), then the task's totals: calls, answered calls and
+    prompt tokens the server evaluated over the whole task (its /metrics counter). An agent
+    whose answer was cut at its max_tokens sends more calls to continue it: the first call is
+    the one to compare across tasks, the totals say what the task cost."""
     calls, tasks = calls_table(out), tasks_table(out)
     gen = calls[calls["api"].isin(["anthropic", "openai-responses", "openai-chat"])]
-    first = gen.groupby("task", sort=False).first()
     rows = []
     for _, t in tasks.iterrows():
         c = gen[gen["task"] == t["task"]]
-        ok = c[c["status"] == "ok"]
-        rows.append({"task": t["task"], "agent": t["agent"], "exit": t["exit"], "calls": len(c),
-                     "answered": len(ok), "prompt_tokens": ok["prompt_tokens"].sum(),
-                     "cached_tokens": ok["cached_tokens"].sum(), "evaluated_tokens": t["evaluated_tokens"],
-                     "ttft_s": ok["ttft_s"].iloc[0] if len(ok) else float("nan"), "wall_s": t["wall_s"],
-                     "first_diff": first["first_diff"].get(t["task"]) if "first_diff" in first else None})
+        first = c.iloc[0] if len(c) else pd.Series(dtype=object)
+        rows.append({"task": t["task"], "agent": t["agent"], "exit": t["exit"],
+                     "prompt_tokens": first.get("prompt_tokens"), "cached_tokens": first.get("cached_tokens"),
+                     "evaluated_tokens": first.get("evaluated_tokens"), "ttft_s": first.get("ttft_s"),
+                     "first_diff": first.get("first_diff"), "calls": len(c), "answered": int((c["status"] == "ok").sum()),
+                     "task_evaluated_tokens": t["evaluated_tokens"], "wall_s": t["wall_s"]})
     return pd.DataFrame(rows).set_index("task")
 
 
@@ -206,21 +208,22 @@ def compaction_view(out: str | Path) -> pd.DataFrame:
 def amplification(out: str | Path) -> pd.DataFrame:
     """Per task: prompt tokens of one copy of the request, tokens the server evaluated, and
     their ratio, the retry amplification (1: each prompt token evaluated once)."""
-    tab = evaluated_by_task(out)
+    tab = evaluated_by_task(out).rename(columns={"task_evaluated_tokens": "server_evaluated"})
     calls = calls_table(out)
-    one = calls.groupby("task")["prompt_tokens"].max()
-    tab["request_tokens"] = one.reindex(tab.index)
-    tab["amplification"] = tab["evaluated_tokens"] / tab["request_tokens"]
-    return tab[["agent", "exit", "calls", "answered", "request_tokens", "evaluated_tokens", "amplification",
+    tab["request_tokens"] = calls.groupby("task")["prompt_tokens"].max().reindex(tab.index)
+    if tab["request_tokens"].isna().any():   # no copy answered: the size the server refused or never finished
+        tab["request_tokens"] = tab["request_tokens"].fillna(tab["prompt_tokens"])
+    tab["amplification"] = tab["server_evaluated"] / tab["request_tokens"]
+    return tab[["agent", "exit", "calls", "answered", "request_tokens", "server_evaluated", "amplification",
                 "wall_s"]]
 
 
 def amplification_sentence(tab: pd.DataFrame, short: str, fixed: str) -> str:
     a, b = tab.loc[short], tab.loc[fixed]
     return (f"With a client timeout shorter than the cold prefill, the agent sent {a['calls']:.0f} copies of its "
-            f"request; {a['answered']:.0f} were answered; the server evaluated {a['evaluated_tokens']:.0f} prompt "
+            f"request; {a['answered']:.0f} were answered; the server evaluated {a['server_evaluated']:.0f} prompt "
             f"tokens for one request of {a['request_tokens']:.0f} ({a['amplification']:.1f}x). With the timeout "
-            f"above the prefill: {b['calls']:.0f} call(s), {b['evaluated_tokens']:.0f} evaluated "
+            f"above the prefill: {b['calls']:.0f} call(s), {b['server_evaluated']:.0f} evaluated "
             f"({b['amplification']:.1f}x).")
 
 
@@ -263,7 +266,7 @@ def growing_session(size: str, turns: int, paste_words: int, env: dict[str, str]
     out = []
     for k in range(turns):
         paste = " ".join(words[(k * paste_words) % len(words):][:paste_words])
-        out.append(claude_task(f"turn {k}", f"Note {k}:\n{paste}\nReply with the single word OK.", size,
+        out.append(claude_task(f"turn {k}", f"Note {k}:\n{paste}\nSay OK.", size,
                                env=env, timeout_s=timeout_s, session="session", resume=k > 0))
     return out
 

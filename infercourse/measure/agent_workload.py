@@ -28,7 +28,9 @@ Content: the instructions (data/coding_agent_instructions.md) and tool schemas
 results are those of the recorded session in data/agentic_session.json (the tools really
 ran on data/synthetic_repo). Sizes follow the hardware profile: on `cpu` the session is cut
 to fit the embedded model's 8,192-token window; on `mac`/`gpu` the static block is padded
-with project notes to what a real agent sends (a system prompt plus tools of 15-25k tokens).
+with project notes to what the real Claude Code sends before its messages (system blocks and
+tool schemas: measured from the pinned version, `data/agent_shapes.json`, about 9,500 tokens
+with SmolLM2's tokenizer).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from typing import Any
 from infercourse.core.types import Request
 from infercourse.measure.workloads import DATA_DIR, Workload, _repo_files, eval_text
 
-__all__ = ["SIZES", "Sizes", "Turn", "APIS", "HEADERS", "coding_agent_session", "session_turns",
+__all__ = ["SIZES", "Sizes", "real_agent_static_tokens", "Turn", "APIS", "HEADERS", "coding_agent_session", "session_turns",
            "static_block", "tool_schemas", "header_block", "estimate_tokens", "CHARS_PER_TOKEN"]
 
 APIS = ("anthropic", "openai")
@@ -69,10 +71,19 @@ class Sizes:
     max_tokens: int | None = None
 
 
+def real_agent_static_tokens(agent: str = "claude-code") -> int:
+    """System text + tool schemas of the real agent's first request, in tokens: measured from
+    the pinned version (data/agent_shapes.json, numbers only; notebook 18b captures it)."""
+    parts = json.loads((DATA_DIR / "agent_shapes.json").read_text())[agent]["first_request"]["parts"]
+    return int(parts["system"]["tokens"] + parts["tool"]["tokens"])
+
+
+# mac/gpu: the static part as big as the real Claude Code's (its system blocks and 12 tools,
+# measured); cpu: cut to fit the embedded SmolLM2's 8,192-token window at -np 1
 SIZES: dict[str, Sizes] = {
-    "cpu": Sizes(window=8192),                       # the embedded SmolLM2 at -c 8192 -np 1
-    "mac": Sizes(window=32768, static_tokens=18000),
-    "gpu": Sizes(window=32768, static_tokens=22000),
+    "cpu": Sizes(window=8192),
+    "mac": Sizes(window=32768, static_tokens=real_agent_static_tokens()),
+    "gpu": Sizes(window=32768, static_tokens=real_agent_static_tokens()),
 }
 
 

@@ -14,7 +14,7 @@ history (compaction, or a client that edits old turns).
 | API | system | tools | messages |
 |---|---|---|---|
 | Anthropic `/v1/messages` | `system` (a string, or each block) | `tools` | `messages` (a `role: "system"` one too) |
-| OpenAI `/v1/responses` | `instructions` | `tools` | `input` items |
+| OpenAI `/v1/responses` | `instructions`, `developer`/`system` input items | `tools` | the other `input` items |
 | OpenAI `/v1/chat/completions` | `messages` with role system | `tools` | the other `messages` |
 
 Token counts come from a `count(text) -> int` the caller gives: the served model's own
@@ -59,8 +59,9 @@ def parts(body: dict[str, Any], api: str) -> list[Part]:
                 for j, t in enumerate(body.get("tools") or [])]
         items = body.get("input") or []
         items = [{"role": "user", "content": items}] if isinstance(items, str) else items
-        out += [("message", f"input {i} ({m.get('role') or m.get('type', '?')})",
-                 _text(m.get("content", m))) for i, m in enumerate(items)]
+        out += [("system" if m.get("role") in ("system", "developer") else "message",
+                 f"input {i} ({m.get('role') or m.get('type', '?')})", _text(m.get("content", m)))
+                for i, m in enumerate(items)]
     elif api == "openai-chat":
         msgs = body.get("messages") or []
         out += [("system", f"message {i} (system)", _text(m.get("content"))) for i, m in enumerate(msgs)

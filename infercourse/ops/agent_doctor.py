@@ -33,7 +33,7 @@ from infercourse.core.errors import InferCourseError
 from infercourse.measure.workloads import DATA_DIR
 from infercourse.ops.layers import LayerCheck
 
-__all__ = ["SHAPES", "agent_shape", "probe_agent_route", "grade_agent_route", "fixes", "doctor_agent_main",
+__all__ = ["SHAPES", "agent_shape", "shape_from_capture", "probe_agent_route", "grade_agent_route", "fixes", "doctor_agent_main",
            "DEFAULT_TIMEOUT_S"]
 
 SHAPES = DATA_DIR / "agent_shapes.json"
@@ -60,6 +60,41 @@ def agent_shape(agent: str, capture: str | Path | None = None) -> dict[str, Any]
         raise InferCourseError(f"no shape for agent {agent!r} in {SHAPES}; one of {sorted(shapes)}")
     s = shapes[agent]["first_request"]
     return {"source": f"{SHAPES.name} ({agent} {shapes[agent]['version']})", **s}
+
+
+def _server_count(row: dict[str, Any]) -> int | None:
+    """The prompt size the server counted: its usage, or the number in its refusal
+    ("request (10089 tokens) exceeds the available context size ...")."""
+    import re
+    if row.get("prompt_tokens"):
+        return int(row["prompt_tokens"])
+    m = re.search(r"request \((\d+) tokens\)", row.get("error") or "")
+    return int(m.group(1)) if m else None
+
+
+def shape_from_capture(out: str | Path, agent: str) -> dict[str, Any]:
+    """Numbers only, from a lab run's first call of `agent`: its size by the server's count,
+    bytes, max_tokens, the body's top-level fields, and per part kind the count, bytes and
+    tokens (the anatomy). No text of the request is kept: what `data/agent_shapes.json` holds."""
+    from infercourse.ops.agent_lab import anatomy
+    rows = [json.loads(line) for line in (Path(out) / "requests.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["tags"].get("agent") == agent and r["tags"].get("api") in ("anthropic", "openai-responses")]
+    if not rows:
+        raise InferCourseError(f"{out}: no generating call of {agent}")
+    first = rows[0]
+    body = json.loads((Path(out) / "bodies" / f"{first['request_id']:03d}.json").read_text())
+    anat = next(a for a in anatomy(out) if a["request_id"] == first["request_id"])
+    kinds: dict[str, dict[str, int]] = {}
+    for p in anat["parts"]:
+        k = kinds.setdefault(p["kind"], {"count": 0, "bytes": 0, "tokens": 0})
+        k["count"] += 1
+        k["bytes"] += p["bytes"]
+        k["tokens"] += p["tokens"]
+    manifest = json.loads((Path(out) / "manifest.json").read_text())
+    return {"version": manifest["agents"][agent], "api": first["tags"]["api"],
+            "first_request": {"prompt_tokens": _server_count(first), "max_tokens": first["tags"].get("max_tokens"),
+                              "bytes": first["tags"]["body_bytes"], "fields": sorted(body),
+                              "parts": kinds, "tokenizer": "SmolLM2-135M (the embedded model)"}}
 
 
 def _messages(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
