@@ -228,11 +228,19 @@ def test_compaction_sentence_sees_a_shrinking_prompt_or_none():
     assert "Told the window: 3 of 3 turns answered, no refusal, the prompt shrank at t2 (compaction)" in s
 
 
-def test_amplification_sentence_reports_the_factor():
-    tab = _tab(short=dict(calls=6, answered=1, server_evaluated=5000, request_tokens=1000, amplification=5.0),
-               long=dict(calls=1, answered=1, server_evaluated=1000, request_tokens=1000, amplification=1.0))
+def test_amplification_counts_identical_resends_of_the_first_request(tmp_path, monkeypatch):
+    calls = pd.DataFrame({"task": ["short"] * 4 + ["long"] * 2, "api": "anthropic",
+                          "first_diff": ["first call", "identical", "identical", "message 3 (user)", "system 0", "message 1"],
+                          "status": ["error", "error", "ok", "ok", "ok", "ok"],
+                          "prompt_tokens": [None, None, 1000, 1100, 1000, 1100],
+                          "evaluated_tokens": [1000, 1000, 1000, 100, 1000, 100]})
+    monkeypatch.setattr(ra, "calls_table", lambda out: calls)
+    tab = ra.amplification(tmp_path)
+    assert tab.loc["short", "copies"] == 3 and tab.loc["short", "amplification"] == 3.0
+    assert tab.loc["long", "copies"] == 1 and tab.loc["long", "amplification"] == 1.0
     s = ra.amplification_sentence(tab, "short", "long")
-    assert "6 copies" in s and "(5.0x)" in s and "(1.0x)" in s
+    assert "3 copies of its first request, 1 answered" in s and "(3.0x)" in s
+    assert "its first request once (no retry)" in s and "(1.0x)" in s
 
 
 # -- the lab, end to end, with the stand-in agent on a real llama-server ----------------------

@@ -206,25 +206,37 @@ def compaction_view(out: str | Path) -> pd.DataFrame:
 
 
 def amplification(out: str | Path) -> pd.DataFrame:
-    """Per task: prompt tokens of one copy of the request, tokens the server evaluated, and
-    their ratio, the retry amplification (1: each prompt token evaluated once)."""
-    tab = evaluated_by_task(out).rename(columns={"task_evaluated_tokens": "server_evaluated"})
+    """Per task: how many copies of its first request the agent sent (the first call and the
+    identical re-sends right after it: retries), how many were answered, one copy's prompt
+    tokens, what the server evaluated over those copies (its /metrics counter, call by call),
+    and their ratio, the retry amplification (1: each prompt token evaluated once)."""
     calls = calls_table(out)
-    tab["request_tokens"] = calls.groupby("task")["prompt_tokens"].max().reindex(tab.index)
-    if tab["request_tokens"].isna().any():   # no copy answered: the size the server refused or never finished
-        tab["request_tokens"] = tab["request_tokens"].fillna(tab["prompt_tokens"])
-    tab["amplification"] = tab["server_evaluated"] / tab["request_tokens"]
-    return tab[["agent", "exit", "calls", "answered", "request_tokens", "server_evaluated", "amplification",
-                "wall_s"]]
+    gen = calls[calls["api"].isin(["anthropic", "openai-responses", "openai-chat"])]
+    rows = []
+    for task, c in gen.groupby("task", sort=False):
+        n = 1
+        while n < len(c) and c["first_diff"].iloc[n] == "identical":
+            n += 1
+        copies = c.iloc[:n]
+        size = copies["prompt_tokens"].max()
+        if pd.isna(size):   # no copy answered: the size the agent's shape says
+            size = float("nan")
+        evaluated = copies["evaluated_tokens"].sum(min_count=1)
+        rows.append({"task": task, "copies": n, "answered": int((copies["status"] == "ok").sum()),
+                     "request_tokens": size, "server_evaluated": evaluated,
+                     "amplification": evaluated / size if size and size == size else float("nan"),
+                     "later_calls": len(c) - n})
+    return pd.DataFrame(rows).set_index("task")
 
 
 def amplification_sentence(tab: pd.DataFrame, short: str, fixed: str) -> str:
+    """What the short and the long client timeout cost the server, computed from `amplification`."""
     a, b = tab.loc[short], tab.loc[fixed]
-    return (f"With a client timeout shorter than the cold prefill, the agent sent {a['calls']:.0f} copies of its "
-            f"request; {a['answered']:.0f} were answered; the server evaluated {a['server_evaluated']:.0f} prompt "
-            f"tokens for one request of {a['request_tokens']:.0f} ({a['amplification']:.1f}x). With the timeout "
-            f"above the prefill: {b['calls']:.0f} call(s), {b['server_evaluated']:.0f} evaluated "
-            f"({b['amplification']:.1f}x).")
+    def one(r) -> str:
+        retried = f"{r['copies']:.0f} copies of its first request" if r["copies"] > 1 else "its first request once (no retry)"
+        return (f"sent {retried}, {r['answered']:.0f} answered; the server evaluated {r['server_evaluated']:.0f} "
+                f"prompt tokens for a request of {r['request_tokens']:.0f} ({r['amplification']:.1f}x)")
+    return f"With the short timeout the agent {one(a)}. With the long one it {one(b)}."
 
 
 def extension_cost(ctx: int, trained: int = 8192, model: str | None = None, n_words: int = 600) -> dict[str, Any]:

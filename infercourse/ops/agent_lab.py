@@ -87,7 +87,12 @@ class Task:
 
 @dataclass
 class LabSpec:
-    """A lab run: one server, its tasks, and where the results go."""
+    """A lab run: one server, its tasks, and where the results go.
+
+    `n_predict` is llama-server's `-n`: the output cap of a request that names none. Claude Code
+    always sends `max_tokens`, which wins; Codex sends none, so without a cap an answer the
+    agent has abandoned (its stream timeout fired) runs on to the end of the window, holding
+    the only slot while the agent's retries queue behind it."""
 
     out: str
     tasks: list[Task]
@@ -96,6 +101,7 @@ class LabSpec:
     model: str | None = None
     served_name: str = "smollm2-135m"
     server_args: list[str] = field(default_factory=list)
+    n_predict: int | None = 64
     anatomy: bool = True
     allow_host_network: bool = False
 
@@ -214,22 +220,27 @@ def _launch(task: Task, i: int, out: Path, proxy_url: str, served: str) -> tuple
     raise AgentLayerError(f"unknown agent {task.agent!r}")
 
 
-def _run_agent(argv: list[str], env: dict, work: Path, timeout_s: float) -> tuple[Any, str, str]:
-    """The agent in a process group of its own that dies with the lab (PR_SET_PDEATHSIG) and
-    is killed, group and all, at its time bound."""
-    import os
-    import signal
-    from infercourse.servers.watchdog import _pdeathsig
-    p = subprocess.Popen(argv, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         stdin=subprocess.DEVNULL, start_new_session=True,
-                         preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None)
-    try:
-        out, err = p.communicate(timeout=timeout_s)
-        return p.returncode, out, err
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        return "timeout", out, err
+def _run_agent(argv: list[str], env: dict, work: Path, timeout_s: float, log: Path) -> tuple[Any, str, str]:
+    """The agent under the servers' watchdog (`servers.watchdog`): in a process group of its
+    own, which the watchdog kills whole (the agent's own children too: Codex's native binary
+    under its node launcher) when the lab dies, or when the task's time bound sends it SIGTERM.
+    The agent's stdout and stderr go to `log`.out / .err, read back after it ends."""
+    from infercourse.servers import watchdog
+    out, err = log.with_suffix(".out"), log.with_suffix(".err")
+    with open(out, "wb") as fo, open(err, "wb") as fe:
+        p = subprocess.Popen([sys.executable, watchdog.__file__, "--", *argv], env=env, cwd=work,
+                             stdout=fo, stderr=fe, stdin=subprocess.DEVNULL)
+        try:
+            rc: Any = p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.terminate()                      # the watchdog stops the agent's whole group
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            rc = "timeout"
+    return rc, out.read_text(errors="replace"), err.read_text(errors="replace")
 
 
 def _agent_json(stdout: str) -> dict[str, Any]:
@@ -260,7 +271,7 @@ def _server(spec: LabSpec):
     from infercourse.measure.workloads import DATA_DIR
     from infercourse.servers import LlamaServer
     extra = ["--chat-template-file", str(DATA_DIR / "chatml_tools.jinja"), "--alias", spec.served_name,
-             *spec.server_args]
+             *(["-n", str(spec.n_predict)] if spec.n_predict else []), *spec.server_args]
     return LlamaServer(spec.model, n_parallel=1, ctx_size=spec.ctx, threads=spec.threads, jinja=True,
                        extra_args=extra)
 
@@ -323,10 +334,9 @@ def child_main(spec_path: str) -> int:
             argv, env, work = _launch(task, i, out, proxy.url, spec.served_name)
             proxy.tags = {"task": task.label, "agent": task.agent}
             n0, before, t0 = len(proxy.traces), _metric(srv.url), time.perf_counter()
-            rc, stdout, stderr = _run_agent(argv, env, work, task.timeout_s)
-            wall = time.perf_counter() - t0
             (out / "agents").mkdir(exist_ok=True)
-            (out / "agents" / f"{i:02d}.out").write_text(stdout + "\n--- stderr ---\n" + (stderr or ""))
+            rc, stdout, stderr = _run_agent(argv, env, work, task.timeout_s, out / "agents" / f"{i:02d}")
+            wall = time.perf_counter() - t0
             after = _metric(srv.url)
             calls = proxy.traces[n0:]
             row = {"task": task.label, "agent": task.agent, "exit": rc, "wall_s": wall, "calls": len(calls),
