@@ -219,13 +219,13 @@ def test_header_sentence_flips():
 
 
 def test_compaction_sentence_sees_a_shrinking_prompt_or_none():
-    grow = pd.DataFrame({"turn": ["t0", "t1", "t2"], "calls": 1, "answered": [1, 1, 0],
+    grow = pd.DataFrame({"turn": ["t0", "t1", "t2"], "ended": ["ok", "ok", "error"], "calls": 1, "answered": [1, 1, 0],
                          "largest prompt": [800, 1600, 2400], "refused": [0, 0, 1], "agent's window": 1e6,
                          "agent said": ""})
-    shrink = grow.assign(**{"largest prompt": [800, 1600, 900], "answered": 1, "refused": 0})
+    shrink = grow.assign(**{"largest prompt": [800, 1600, 900], "answered": 1, "refused": 0, "ended": "ok"})
     s = ra.compaction_sentence(grow, shrink, 2048)
-    assert "as is, 2 of 3 turns answered, first refusal at t2, the prompt never shrank" in s
-    assert "Told the window: 3 of 3 turns answered, no refusal, the prompt shrank at t2 (compaction)" in s
+    assert "as is, 2 of 3 turns ended without an error, first refusal at t2, the prompt never shrank" in s
+    assert "Told the window: 3 of 3 turns ended without an error, no refusal, the prompt shrank at t2 (compaction)" in s
 
 
 def test_amplification_counts_identical_resends_of_the_first_request(tmp_path, monkeypatch):
@@ -355,3 +355,23 @@ def test_no_captured_body_is_tracked_by_git():
     assert not [f for f in tracked if "/bodies/" in f or "/homes/" in f or "node_modules" in f]
     check = subprocess.run(["git", "check-ignore", "-q", "elsewhere/run/bodies/000.json"], cwd=root)
     assert check.returncode == 0   # a results folder's bodies are ignored wherever they land
+
+
+@pytest.mark.slow
+def test_doctor_agent_cli_names_the_failing_layers_and_prints_settings(capsys):
+    from infercourse.__main__ import main
+    from infercourse.servers import LlamaServer
+    with LlamaServer(n_parallel=1, ctx_size=4096, threads=1, jinja=True) as srv:
+        rc = main(["doctor", "agent", srv.url, "--agent", "claude-code"])
+        out = capsys.readouterr().out
+    # the committed shape of the pinned Claude Code's first request does not fit 4096 tokens
+    assert rc == 1 and "[fail] context" in out and "does not fit the slot (4096 tokens)" in out
+    env = json.loads(out[out.index("{"):])["env"]
+    assert env["ANTHROPIC_BASE_URL"] == srv.url and env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "4096"
+
+
+def test_doctor_agent_cli_refuses_a_remote_url_before_any_traffic(capsys):
+    from infercourse.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "agent", "http://10.1.2.3:8080", "--agent", "codex"])
+    assert e.value.code == 2 and "loopback" in capsys.readouterr().err

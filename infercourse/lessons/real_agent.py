@@ -184,7 +184,7 @@ def header_sentence(tab: pd.DataFrame, on: str, off: str) -> str:
 
 def clip_view(out: str | Path) -> pd.DataFrame:
     """Each call of the clipped-answer task: what it asked for, what came back, and why it stopped."""
-    cols = ["task", "status", "max_tokens", "prompt_tokens", "completion_tokens", "stop_reason", "first_diff", "error"]
+    cols = ["task", "status", "max_tokens", "prompt_tokens", "output_tokens", "stop_reason", "first_diff", "error"]
     df = calls_table(out)
     return df[[c for c in cols if c in df.columns]]
 
@@ -197,7 +197,8 @@ def compaction_view(out: str | Path) -> pd.DataFrame:
     rows = []
     for task, c in gen.groupby("task", sort=False):
         windows = tasks.loc[task].get("assumed_context_window") or {}
-        rows.append({"turn": task, "calls": len(c), "answered": int((c["status"] == "ok").sum()),
+        rows.append({"turn": task, "ended": "ok" if tasks.loc[task, "exit"] == 0 else "error",
+                     "calls": len(c), "answered": int((c["status"] == "ok").sum()),
                      "largest prompt": c["prompt_tokens"].max(), "refused": int(c["error"].fillna("").str.contains(
                          "exceeds the available context").sum()),
                      "agent's window": max(windows.values()) if isinstance(windows, dict) and windows else None,
@@ -287,7 +288,7 @@ def compaction_sentence(as_is: pd.DataFrame, told: pd.DataFrame, window: int) ->
     """What the two growing sessions showed: turns answered, the first refusal, whether the
     prompt ever shrank (the agent compacted), and the window the agent said it assumed."""
     def read(v: pd.DataFrame) -> str:
-        n, ok = len(v), int((v["answered"] > 0).sum())
+        n, ok = len(v), int((v["ended"] == "ok").sum())
         refused = v.index[v["refused"] > 0]
         first = f"first refusal at {v.loc[refused[0], 'turn']}" if len(refused) else "no refusal"
         sizes = v["largest prompt"].tolist()
@@ -296,7 +297,7 @@ def compaction_sentence(as_is: pd.DataFrame, told: pd.DataFrame, window: int) ->
                 else "the prompt never shrank")
         assumed = v["agent's window"].dropna()
         said = f"; the agent assumed a window of {assumed.max():,.0f} tokens" if len(assumed) else ""
-        return f"{ok} of {n} turns answered, {first}, {grew}{said}"
+        return f"{ok} of {n} turns ended without an error, {first}, {grew}{said}"
     return f"On a {window:,}-token server: as is, {read(as_is)}. Told the window: {read(told)}."
 
 
@@ -307,7 +308,7 @@ def doctor_on_fresh_server(ctx: int, capture: str | Path, *, threads: int = 1, m
     from infercourse.measure.workloads import DATA_DIR
     from infercourse.ops.agent_doctor import agent_shape, fixes, grade_agent_route, probe_agent_route
     from infercourse.servers import LlamaServer
-    extra = ["--chat-template-file", str(DATA_DIR / "chatml_tools.jinja"),
+    extra = ["--chat-template-file", str(DATA_DIR / "chatml_tools.jinja"), "--alias", "smollm2-135m",
              *(EXTEND_CONTEXT(ctx) if ctx > 8192 else [])]
     shape = agent_shape(agent, capture)
     with LlamaServer(model, n_parallel=1, ctx_size=ctx, threads=threads, jinja=True, extra_args=extra) as srv:

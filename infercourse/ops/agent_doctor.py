@@ -145,6 +145,8 @@ def probe_agent_route(url: str, agent: str = "claude-code", *, models: tuple[str
         st, doc = _messages(url, {"model": mid, "max_tokens": 1, "messages": [{"role": "user", "content": "OK?"}]},
                             timeout_s)
         ev["model_status"][mid] = {"status": st, "error": (doc.get("error") or {}).get("message")}
+    if ev["n_ctx_slot"]:   # the probe must fit the window it measures
+        probe_tokens = min(probe_tokens, ev["n_ctx_slot"] // 3)
     static = uuid.uuid4().hex + " " + _STATIC * max(1, probe_tokens // 18)   # new every probe: cold
     t0 = time.perf_counter()
     st, first = _messages(url, _header_body(main, "aaa", static), timeout_s)
