@@ -6,7 +6,8 @@ the course's eval text (~130 tokens), measured here with ~10× margin where the 
 bf16 moved it by < 0.002 and int8 by < 0.01; 4-bit by 0.06–0.25 (one 4-bit level is a
 sixteenth of a block's range, and the model is small), so 4-bit gets 0.5. These catch a
 broken format (a reload that forgets its scales scores ~17 nats, not ~3.7), not a slightly
-worse one. No timings: machines differ 4×."""
+worse one. The two methods of a library keep the rest of the model in the same float
+type (torchao bfloat16, bitsandbytes float32). No timings: machines differ 4×."""
 import numpy as np
 import pytest
 
@@ -84,10 +85,22 @@ def test_each_format_stays_near_float32(scored, method):
     assert row["top1_agreement"] > 0.5, row   # the same model, not noise (~1/50k by chance)
 
 
+PAIRS = [("torchao-int8", "torchao-int4"), ("bnb-int8", "bnb-nf4")]
+
+
+@pytest.mark.parametrize("eight, four", PAIRS)
+def test_paired_methods_differ_only_in_their_bits(eight, four):
+    """The 8- vs 4-bit comparison below is fair only if everything left unquantized (the
+    embedding, norms, activations) is kept in the same float type on both sides."""
+    a, b = qf.METHODS[eight], qf.METHODS[four]
+    assert (a.library, a.dtype, a.calibrated) == (b.library, b.dtype, b.calibrated)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("eight, four", [("torchao-int8", "torchao-int4"), ("bnb-int8", "bnb-nf4")])
+@pytest.mark.parametrize("eight, four", PAIRS)
 def test_eight_bits_lose_less_than_four(scored, eight, four):
-    """Where the same library rounds the same layers, more bits must not lose more."""
+    """Where the same library rounds the same layers and keeps the rest in the same float
+    type (checked above), more bits must not lose more."""
     from infercourse.lessons.quant_methods import quality_row
     q8, q4 = (quality_row(scored[m], scored["fp32"]) for m in (eight, four))
     assert abs(q8["nll_diff"]) <= abs(q4["nll_diff"])

@@ -26,7 +26,7 @@ from statistics import NormalDist
 import numpy as np
 
 __all__ = ["NF4_OFFSET", "nf4_code_book", "int4_code_book", "quantize_nf4", "dequantize_nf4",
-           "pack_nibbles", "compare_with_bitsandbytes"]
+           "pack_nibbles", "compare_with_bitsandbytes", "nf4_text"]
 
 NF4_OFFSET = 0.9677083  # bitsandbytes' `offset`: the outermost quantile probability
 
@@ -113,3 +113,18 @@ def compare_with_bitsandbytes(weight, block: int = 64) -> dict:
             "rms_error_nf4": float(np.sqrt(np.mean((mine_back - flat) ** 2))),
             "rms_error_int4_grid": float(np.sqrt(np.mean((dequantize_nf4(a4, q4, int4_code_book()) - flat) ** 2))),
             "n_weights": int(flat.size), "block": block}
+
+
+def nf4_text(r: dict) -> str:
+    """What `compare_with_bitsandbytes`' result shows, in one paragraph (Markdown)."""
+    code = (f"the code book by hand matches bitsandbytes' (largest difference {r['max_code_diff']:.1g})"
+            if r["max_code_diff"] < 1e-6 else
+            f"the code book by hand differs from bitsandbytes' (by up to {r['max_code_diff']:.3g})")
+    packed = ("every packed byte is equal" if r["same_packed_bytes"] == 1.0 else
+              f"{r['same_packed_bytes']:.1%} of the packed bytes are equal")
+    a, b = r["rms_error_nf4"], r["rms_error_int4_grid"]
+    err = (f"NF4's rounding error (rms {a:.3g}) is smaller than an even 4-bit grid's ({b:.3g}) with the same "
+           f"scales: its levels crowd where the weights are." if a < b else
+           f"NF4's rounding error (rms {a:.3g}) is not smaller than an even 4-bit grid's ({b:.3g}) with the same "
+           f"scales: these weights are not spread the way NF4's quantiles assume.")
+    return f"On this matrix {code}, and {packed}. {err}"

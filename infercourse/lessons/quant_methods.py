@@ -4,32 +4,33 @@ Notebook 06 measured llama.cpp's GGUF ladder. This lesson puts the formats a GPU
 meets (BF16, bitsandbytes int8/NF4, torchao int8/int4, AWQ) beside a few GGUF rungs and
 measures all of them the same way, on the same eval text and prompts:
 
-- **bytes**: on disk (the derived folder or file) and the weights as loaded; resident
-  memory added by the load;
-- **quality**: mean NLL / perplexity of the eval text, the paired NLL difference from the
-  unquantized float32 model, and **top-1 agreement**: the share of the text's positions
-  where the format's most likely next token equals float32's (teacher-forced, so one
-  early difference does not derail the rest, unlike greedy agreement in 06);
-- **speed**: TTFT and decode tok/s of one request at a time, and output tok/s with 1 and
-  with 4 requests in flight. The HF formats run in process on transformers, whose way to
-  serve four at once is one *static batch* of 4; the GGUF rows run on llama-server with
-  4 slots (*continuous batching*). The `batching` column says which.
+- **the reference**: "fp32" is the course's model, which ships as Q4_1, dequantized to
+  float32 (notebook 06). Its linear weights already lie on a 4-bit grid: every quality
+  column is a distance from that model, not from an unquantized one, and a format whose
+  blocks line up with Q4_1's can land back on its levels (`quant_grid`).
+- **bytes**: on disk (the derived folder or file) and the weights as loaded;
+  `rss_bytes`: HF rows, the resident growth of loading the format in a fresh process
+  (`quant_speed.rss_fresh`); GGUF rows, llama-server's whole process (runtime and KV
+  cache included): compare each family within itself.
+- **quality**: mean NLL / perplexity of the eval text, the paired NLL difference from fp32,
+  and **top-1 agreement**: the share of positions where the format's most likely next
+  token equals fp32's (teacher-forced, so one early difference does not derail the rest).
+- **speed**, per runtime against its own reference (`quant_speed`): HF formats against
+  fp32 in the same transformers loop, GGUF rungs against GGUF F16 on llama-server;
+  repeated, interleaved requests with an A/A arm, and `noise.compare`'s verdict.
+  Output tok/s with `concurrency` in flight (a static batch in transformers, continuous
+  batching on llama-server) is one measurement, not ranked.
 
-`rss_bytes` is resident memory: for HF rows, the growth of this process's RSS over the
-load and the runs (freed heap handed back to the OS first); for GGUF rows, llama-server's
-whole RSS (its runtime and 4 slots' KV cache included). `real_kernels` runs the speed
-columns on a Mac (MLX) or an NVIDIA GPU (vLLM FP8/GPTQ/AWQ), where those formats' kernels live.
-
-`bytes_speedup` is what the bytes predict (float32 weight bytes / this row's): where decode
-streams the weights from memory, a format with half the bytes should decode twice as
-fast. `decode_speedup` is what this CPU delivered. They part where a kernel dequantizes in
-software or falls back to a slow path: the gap is the lesson.
+`bytes_speedup` is what the bytes predict (the reference's weight bytes / this row's):
+where decode streams the weights from memory, half the bytes should decode twice as fast.
+`decode_speedup` is what this machine delivered. They part where a kernel dequantizes in
+software or the loop's fixed costs dominate: the gap is the lesson.
+`real_kernels` runs the speed columns on a Mac (MLX) or an NVIDIA GPU (vLLM FP8/GPTQ/AWQ).
 """
 from __future__ import annotations
 
 import gc
 import math
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -37,8 +38,10 @@ import numpy as np
 
 from infercourse.core.errors import ModelLayerError
 
-__all__ = ["score_hf", "score_gguf", "quality_row", "speed_hf", "speed_gguf", "measure_methods",
-           "real_kernels", "predicted_bytes", "status_table"]
+__all__ = ["score_hf", "score_gguf", "quality_row", "measure_methods", "add_speedups",
+           "real_kernels", "predicted_bytes", "status_table", "GGUF_REF"]
+
+GGUF_REF = "gguf F16"   # the GGUF rungs' reference: the same weights, unrounded, on the same runtime
 
 
 def _log_softmax_stats(logits: np.ndarray, ids: Sequence[int]):
@@ -88,86 +91,6 @@ def quality_row(scored, reference) -> dict:
             "top1_agreement": float(np.mean(top == rtop))}
 
 
-def _rss() -> int:
-    import ctypes
-    import ctypes.util
-
-    import psutil
-    gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):   # glibc: hand freed heap back to the OS,
-        ctypes.CDLL(libc).malloc_trim(0)                     # or a freed model still counts as resident
-    return psutil.Process().memory_info().rss
-
-
-def _requests(prompts, max_tokens):
-    from infercourse.core.types import Request
-    return [Request(messages=[{"role": "user", "content": p}], max_tokens=max_tokens, ignore_eos=True,
-                    cache_prompt=False) for p in prompts]
-
-
-def _one_at_a_time(engine, reqs, writer=None, fmt: str = "") -> dict:
-    from infercourse.core import metrics
-    from infercourse.core.trace import record
-    from dataclasses import replace
-    record(engine, replace(reqs[0], max_tokens=2), raise_errors=True)   # warm-up: page weights in
-    traces = [record(engine, r, request_id=i, raise_errors=True, format=fmt) for i, r in enumerate(reqs)]
-    for t in traces if writer is not None else ():
-        writer.write(t)
-    e2e = sum(metrics.e2e_s(t) for t in traces)
-    return {"ttft_s": float(np.median([metrics.ttft_s(t) for t in traces])),
-            "decode_tok_per_s": float(np.median([metrics.decode_tok_per_s(t) for t in traces])),
-            "tput_1_tok_per_s": sum(metrics.output_tokens(t) for t in traces) / e2e}
-
-
-def speed_hf(engine, model, tok, prompts: Sequence[str], max_tokens: int, concurrency: int = 4,
-             writer=None, fmt: str = "") -> dict:
-    """TTFT, decode tok/s and throughput at 1 of a loaded HF model (swapped into one
-    `TransformersEngine`, so every format runs the same generate loop), then output tok/s
-    of one static batch of `concurrency` requests (left-padded, forced to `max_tokens`)."""
-    import torch
-    engine.model = model
-    row = _one_at_a_time(engine, _requests(prompts, max_tokens), writer, fmt)
-    chats = [tok.apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}],
-                                     add_generation_prompt=True, tokenize=False) for i in range(concurrency)]
-    tok.padding_side = "left"
-    batch = tok(chats, return_tensors="pt", padding=True, add_special_tokens=False)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        out = model.generate(**batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, pad_token_id=pad)
-        wall = time.perf_counter() - t0
-    row[f"tput_{concurrency}_tok_per_s"] = (out.shape[1] - batch.input_ids.shape[1]) * concurrency / wall
-    return {**row, "batching": f"static batch of {concurrency} (transformers)"}
-
-
-def speed_gguf(path: str | Path, prompts: Sequence[str], max_tokens: int, n_threads: int = 1,
-               concurrency: int = 4, writer=None, fmt: str = "") -> dict:
-    """The same measures for a GGUF on llama-server with `concurrency` slots: one request
-    at a time, then `concurrency` in flight (continuous batching); server RSS after both."""
-    from infercourse.servers import LlamaServer
-    with LlamaServer(path, n_parallel=concurrency, ctx_size=concurrency * 512, threads=n_threads) as srv:
-        row = _served(srv, prompts, max_tokens, concurrency, writer, fmt)
-    return {**row, "batching": f"continuous, {concurrency} slots (llama-server)"}
-
-
-def _served(srv, prompts, max_tokens: int, concurrency: int, writer=None, fmt: str = "") -> dict:
-    """Speed columns of a running server: one at a time, then `concurrency` in flight."""
-    import psutil
-
-    from infercourse.core.summary import throughput
-    from infercourse.measure import bench
-    engine = srv.engine()
-    row = _one_at_a_time(engine, _requests(prompts, max_tokens), writer, fmt)
-    reqs = _requests([prompts[i % len(prompts)] for i in range(concurrency)], max_tokens)
-    res = bench.run(engine, reqs, pattern="concurrency", concurrency=concurrency, warmup=0,
-                    progress=False, sample_s=None, label="quant_methods")
-    row[f"tput_{concurrency}_tok_per_s"] = throughput(res.df)["output_tok_per_s"]
-    row["rss_bytes"] = psutil.Process(srv.pid).memory_info().rss if srv.pid else math.nan
-    return row
-
-
 def real_kernels(profile_name: str, prompts: Sequence[str], *, max_tokens: int = 32, concurrency: int = 4,
                  checkpoints: dict[str, str | Path] | None = None):
     """The speed columns again, where each format has the kernels it was made for.
@@ -203,66 +126,98 @@ def real_kernels(profile_name: str, prompts: Sequence[str], *, max_tokens: int =
                                                   extra_args=["--quantization", "fp8"])}
         servers.update({f"vllm {k}": (lambda f=f: VLLMServer(f, dtype="float16", enforce_eager=False))
                         for k, f in (checkpoints or {}).items()})
+    from infercourse.measure.quant_speed import request_trials, served_row
     rows = []
-    for name, make in servers.items():
+    for name, make in servers.items():   # one server at a time (one GPU): no verdict across rows
         with make() as srv:
-            rows.append({"format": name, "profile": p.name, **_served(srv, prompts, max_tokens, concurrency),
-                         "batching": f"continuous ({srv.name})"})
+            e = srv.engine()
+            row = request_trials({name: lambda e=e: e}, name, prompts, max_tokens)[name]
+            rows.append({"format": name, "profile": p.name, **{k: v for k, v in row.items() if "speedup" not in k},
+                         **served_row(srv, prompts, max_tokens, concurrency), "batching": f"continuous ({srv.name})"})
     return pd.DataFrame(rows)
 
 
 def measure_methods(methods: Sequence[str], gguf_paths: dict[str, str | Path], *, eval_text: str,
-                    calibration: str, prompts: Sequence[str], max_tokens: int = 16,
-                    n_threads: int = 1, concurrency: int = 4, writer=None):
-    """One row per format: bytes, memory, quality vs float32, speed at 1 and `concurrency`.
+                    calibration: str, prompts: Sequence[str], max_tokens: int = 16, n_threads: int = 1,
+                    concurrency: int = 4, repeats: int = 4, fresh_memory: bool = True, writer=None):
+    """One row per format: bytes, memory, quality vs fp32, speed against its runtime's reference.
 
     Args:
         methods: keys of `models.quant_formats.METHODS`; "fp32" (the reference) is added first.
-        gguf_paths: {name: GGUF path}, e.g. `quantization.ladder_paths` output (may be empty).
+        gguf_paths: {name: GGUF path}, e.g. `quantization.ladder_paths` output; "F16" (the
+            GGUF rows' speed reference) must be among them when any other is.
         eval_text: the text scored for NLL and top-1 agreement (disjoint from `calibration`).
         calibration: sample text for calibrated methods (AWQ).
         prompts: user messages, decoded greedily for exactly `max_tokens` tokens.
         n_threads: torch and llama.cpp threads.
         concurrency: requests in flight for the second throughput column.
-        writer: optional `results.RunWriter`; the one-at-a-time request traces go to it.
+        repeats: interleaved blocks of the speed trials (`quant_speed.request_trials`).
+        fresh_memory: measure each HF format's memory in a fresh process (else NaN).
+        writer: optional `results.RunWriter`; the timed request traces go to it.
     """
     import pandas as pd
 
     from infercourse.models import quant_formats as qf
     qf.quiet()   # before transformers imports torchao and bitsandbytes
     from infercourse.engines.transformers_engine import TransformersEngine
+    from infercourse.measure import quant_speed as qs
     from infercourse.models.derive import manifest
     _check_disjoint(eval_text, calibration)
+    gguf_paths = {f"gguf {k}": v for k, v in gguf_paths.items()}
+    if gguf_paths and GGUF_REF not in gguf_paths:
+        raise ValueError(f"the GGUF rows need {GGUF_REF!r} (their speed reference) in gguf_paths")
     order = ["fp32"] + [m for m in methods if m != "fp32"]
-    engine = TransformersEngine(qf.derive_method("fp32"), n_threads=n_threads)
-    rows, ref = [], None
-    for name in order:
-        gc.collect()
-        rss0 = _rss()
+    rows, models, ref = {}, {}, None
+    for name in order:   # every format held loaded, so the speed trials can interleave them
         model, tok = qf.load_method(name, calibration=calibration, n_threads=n_threads)
         scored = score_hf(model, tok, eval_text)
         ref = ref or scored
         folder = qf.derive_method(name, calibration=calibration)
         info = qf.METHODS[name]
-        rows.append({"format": name, "family": info.library, "bits": info.bits, "calibrated": info.calibrated,
-                     "weight_only": info.weight_only, "file_bytes": manifest(folder)["output_bytes"],
-                     "weight_bytes": qf.weight_bytes(model), **quality_row(scored, ref),
-                     **speed_hf(engine, model, tok, prompts, max_tokens, concurrency, writer, name),
-                     "rss_bytes": _rss() - rss0, "derive_s": manifest(folder)["seconds"]})
-        engine.model = None
-        del model
+        models[name] = model
+        rows[name] = {"format": name, "family": info.library, "bits": info.bits, "float_dtype": info.dtype,
+                      "calibrated": info.calibrated, "weight_only": info.weight_only,
+                      "file_bytes": manifest(folder)["output_bytes"], "weight_bytes": qf.weight_bytes(model),
+                      **quality_row(scored, ref),
+                      f"tput_{concurrency}_tok_per_s": qs.static_batch_tput(model, tok, prompts, max_tokens,
+                                                                            concurrency),
+                      "batching": f"static batch of {concurrency} (transformers)",
+                      "derive_s": manifest(folder)["seconds"]}
+    engine = TransformersEngine(qf.derive_method("fp32"), n_threads=n_threads)
+
+    def swap(name):
+        def get():
+            engine.model = models[name]
+            return engine
+        return get
+    speed = qs.request_trials({n: swap(n) for n in order}, "fp32", prompts, max_tokens, repeats, writer)
+    engine.model = None
+    models.clear()
+    gc.collect()
+    for name in order:
+        rows[name].update(speed[name], rss_bytes=qs.rss_fresh(name, calibration, n_threads) if fresh_memory
+                          else math.nan)
     for name, path in gguf_paths.items():
         from infercourse.models.modelcard import model_card
         card = model_card(path)
-        rows.append({"format": f"gguf {name}", "family": "llama.cpp", "bits": round(card.bits_per_weight, 2),
-                     "calibrated": False, "weight_only": False, "file_bytes": Path(path).stat().st_size,
-                     "weight_bytes": card.tensor_bytes,
-                     **quality_row(score_gguf(path, eval_text, n_threads), ref),
-                     **speed_gguf(path, prompts, max_tokens, n_threads, concurrency, writer, f"gguf {name}")})
-    df = pd.DataFrame(rows)
-    base = df.set_index("format").loc["fp32"]
-    df["bytes_speedup"] = base.weight_bytes / df.weight_bytes   # what the bytes predict for decode
-    df["decode_speedup"] = df.decode_tok_per_s / base.decode_tok_per_s   # what the kernels delivered
+        rows[name] = {"format": name, "family": "llama.cpp", "bits": round(card.bits_per_weight, 2),
+                      "float_dtype": None, "calibrated": False, "weight_only": False,
+                      "file_bytes": Path(path).stat().st_size, "weight_bytes": card.tensor_bytes,
+                      **quality_row(score_gguf(path, eval_text, n_threads), ref)}
+    if gguf_paths:
+        for name, row in qs.serve_gguf(gguf_paths, GGUF_REF, prompts, max_tokens, n_threads=n_threads,
+                                       concurrency=concurrency, repeats=repeats, writer=writer).items():
+            rows[name].update(row)
+    return add_speedups(pd.DataFrame(list(rows.values())))
+
+
+def add_speedups(df):
+    """`bytes_speedup`: each row's reference weight bytes over its own (the reference is
+    the row named in `speedup_vs`: fp32 for HF formats, GGUF F16 for GGUF rungs), so the
+    bytes' prediction and the delivered `decode_speedup` divide by the same runtime."""
+    base = df.set_index("format").weight_bytes
+    df = df.copy()
+    df["bytes_speedup"] = df.speedup_vs.map(base) / df.weight_bytes
     return df
 
 

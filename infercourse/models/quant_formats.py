@@ -16,25 +16,28 @@ other formats, and they differ in *when* and *how* weights are quantized:
 - **GPTQ**: *calibrated*, quantizes column by column and corrects the not-yet-quantized
   columns for each rounding error, using second-order (Hessian) statistics of the inputs.
 
-What was found on this machine (x86_64, 2 cores, torch 2.13.0 CPU, transformers 5.24,
-bitsandbytes 0.50.2, torchao 0.18.0), and is what `METHODS` / `NOT_HERE` say:
+What was found on this machine (x86_64, torch 2.13.0 CPU, transformers 5.24, bitsandbytes
+0.50.2, torchao 0.18.0), and is what `METHODS` / `NOT_HERE` say:
 
-| method | quantizes here | runs here | note |
-|---|---|---|---|
-| bf16 | yes | yes | torch CPU bf16 matmul |
-| bnb-int8 | yes (at load) | yes | bitsandbytes' CPU backend casts float32 activations to float16 for its int8 matmul |
-| bnb-nf4 | yes (at load) | yes, slowly | without the optional `kernels` package its CPU path dequantizes each weight to float before the matmul; a saved NF4 folder reloads broken here (NLL 17 vs 3.7), so NF4 is quantized at each load, as bitsandbytes intends |
-| torchao-int8, torchao-int4 | yes | yes | int4 via torchao's CPU (`opaque`) packing |
-| awq-int4 | yes (calibrated, ~1-3 min) | yes | cached after the first run |
-| gptq-int4/int8 | **no** | - | torchao's GPTQ asserts CUDA; `gptqmodel` 7.7 needs torch >= 2.14.1 (would replace torch 2.13); `llmcompressor` 0.14 pins transformers <= 5.17 and pulls datasets/pyarrow/auto-round: refused |
-| fp8, Marlin/Machete int4 kernels | **no** | - | need a CUDA GPU (FP8: compute capability >= 8.9): profile `gpu` (vLLM) |
-| MLX 4/8-bit | yes (mlx_lm) | Metal only fast | profile `mac`: `formats.mlx_folder(4)` |
+| method | runs here | note |
+|---|---|---|
+| bf16, torchao-int8/int4 | yes | int4 via torchao's CPU (`opaque`) packing |
+| bnb-int8 | yes (at load) | the CPU backend casts float32 activations to float16 for its int8 matmul |
+| bnb-nf4 | yes, slowly | without the optional `kernels` package its CPU path dequantizes each weight before the matmul; a saved NF4 folder reloads broken (NLL 17 vs 3.7), so NF4 is quantized at each load |
+| awq-int4 | yes (calibrated, ~1-3 min once) | cached |
+| gptq, fp8, Marlin/Machete | **no** | CUDA only (see NOT_HERE): profile `gpu` (vLLM) |
+| MLX 4/8-bit | Metal only fast | profile `mac`: `formats.mlx_folder(4)` |
 
 Every derived format is built once from the embedded model's HF folder (`formats.hf_folder`)
 into `derived_dir()/<method>/` with a manifest (tool, version, arguments, seconds), like
 the GGUF ladder. Calibrated methods take their sample text as an argument (`split_eval_text` cuts
 the course's eval prose in two: calibrate on the end, score the start), and the cache key
 includes its sha256, so a different sample derives a different folder.
+The two methods of one library keep the rest of the model (embedding, norms, activations)
+in the same float type, so their 8- vs 4-bit rows differ in the rounding alone:
+bitsandbytes float32 (LLM.int8 casts activations to float16 for its matmul), torchao
+bfloat16 (its CPU int4 kernel ran AWQ's scale search ~30x slower in float32 here). A
+torchao row's loss against fp32 therefore includes bfloat16's own: the bf16 row measures it.
 torchao formats are stored as a pickled state dict (`model.pt`: torchao's weight tensor
 subclasses); it is our own file, checked against its manifest's sha256 before loading.
 """
@@ -47,7 +50,7 @@ from infercourse.core.errors import BackendMissingError, ModelLayerError
 from infercourse.models.derive import derive, derived_dir, hash_folder, manifest
 
 __all__ = ["Method", "METHODS", "NOT_HERE", "CALIBRATION_START_WORD", "split_eval_text",
-           "derive_method", "load_method", "weight_bytes", "method_status", "quiet"]
+           "derive_method", "load_method", "load_state", "weight_bytes", "method_status", "quiet"]
 
 CALIBRATION_START_WORD = 400   # calibration reads words [400:] of eval_prose.txt; evaluate on [:400]
 
@@ -60,7 +63,7 @@ class Method:
     bits: float          # nominal bits per weight of the quantized linear layers
     calibrated: bool     # needs sample data (AWQ, GPTQ) or not (round-to-nearest, bnb)
     weight_only: bool    # activations stay in floating point
-    dtype: str           # the dtype of everything not quantized (embeddings, norms)
+    dtype: str           # the dtype of everything not quantized (embeddings, norms, activations)
 
 
 METHODS = {
@@ -68,7 +71,7 @@ METHODS = {
     "bf16": Method("bf16", "transformers", 16, False, True, "bfloat16"),
     "bnb-int8": Method("bnb-int8", "bitsandbytes", 8, False, False, "float32"),
     "bnb-nf4": Method("bnb-nf4", "bitsandbytes", 4, False, True, "float32"),
-    "torchao-int8": Method("torchao-int8", "torchao", 8, False, True, "float32"),
+    "torchao-int8": Method("torchao-int8", "torchao", 8, False, True, "bfloat16"),
     "torchao-int4": Method("torchao-int4", "torchao", 4, False, True, "bfloat16"),
     "awq-int4": Method("awq-int4", "torchao", 4, True, True, "bfloat16"),
 }
@@ -230,6 +233,9 @@ def derive_method(method: str, *, calibration: str | None = None, source=None, n
         lib = {"torchao": "torchao", "bitsandbytes": "bitsandbytes"}.get(m.library, "transformers")
         return {"tool": m.library, "version": _version(lib), "args": args}
 
+    if (target / "manifest.json").is_file() and manifest(target)["args"].get("dtype") != m.dtype:
+        import shutil   # made when this method kept another float type: derive it again
+        shutil.rmtree(target)
     return derive(target, build, source=hf / "model.safetensors")
 
 
@@ -284,9 +290,26 @@ def load_method(method: str, *, calibration: str | None = None, source=None, n_t
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder(source), dtype=getattr(torch, m.dtype))
     # our own file (sha256 checked above); torchao's tensor subclasses need the full unpickler
     state = torch.load(folder / "model.pt", weights_only=False)
-    model.load_state_dict(state, assign=True, strict=False)
+    load_state(model, state, folder)
     model.tie_weights()   # assign=True replaced the tied Parameter objects: tie them again
     return model.eval(), tok
+
+
+# the one key a saved state may lack: the output layer tied to the embedding (tie_weights
+# restores it); any other gap means the file and the model disagree
+TIED = ("lm_head.weight",)
+
+
+def load_state(model, state: dict, where="the state dict") -> None:
+    """`model.load_state_dict(state, assign=True)`, refusing any missing or unexpected key
+    but the tied output layer; raises ModelLayerError naming the keys."""
+    res = model.load_state_dict(state, assign=True, strict=False)
+    tied = set(TIED) if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    missing, unexpected = sorted(set(res.missing_keys) - tied), sorted(res.unexpected_keys)
+    if missing or unexpected:
+        raise ModelLayerError(f"{where} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                              f" ({len(missing)} missing, {len(unexpected)} unexpected)",
+                              hint="delete the derived folder and derive it again")
 
 
 def weight_bytes(model) -> int:
