@@ -155,7 +155,7 @@ def calls_table(out: str | Path) -> "pd.DataFrame":
     run = load_run(out)
     df = run.df.copy()
     keep = ["request_id", "task", "agent", "method", "path", "api", "model", "http_status", "status", "error",
-            "ttft_s", "e2e_s", "prompt_tokens", "cached_tokens", "evaluated_tokens", "completion_tokens",
+            "ttft_s", "e2e_s", "prompt_tokens", "cached_tokens", "evaluated_tokens", "output_tokens",
             "stop_reason", "max_tokens", "body_bytes", "overlapped"]
     df = df[[c for c in keep if c in df.columns]]
     anat = anatomy(out)
