@@ -66,8 +66,9 @@ class Task:
             stream_idle_timeout_ms, context_window; instructions: a text that replaces
             Codex's own instructions, the way to shrink its request).
         timeout_s: the task is killed after this long (the bound of every lab run).
-        session: tasks with the same session share one throwaway HOME and working folder
-            (None: a home of its own), so that `resume` can find the conversation.
+        session: the throwaway HOME and working folder the task runs in (None: the lab's one
+            "user" home, shared by every task, as one user's tasks share their project);
+            `resume` finds the conversation there.
         resume: continue the session's last conversation (Claude Code's `--continue`): the
             history grows task after task, as a long session does.
     """
@@ -194,7 +195,10 @@ def _metric(url: str) -> float | None:
 
 def _launch(task: Task, i: int, out: Path, proxy_url: str, served: str) -> tuple[list[str], dict, Path]:
     from infercourse.ops import agents
-    home = out / "homes" / (task.session or f"{i:02d}")
+    # one user, one project: every task of a lab shares a HOME and a working folder, as a
+    # learner's tasks do (the agent's system prompt names its working folder: a folder per
+    # task made every new task differ at Claude Code's third system block)
+    home = out / "homes" / (task.session or "user")
     work = home / "work"
     work.mkdir(parents=True, exist_ok=True)
     if task.agent == "claude-code":
