@@ -170,4 +170,8 @@ def test_np_sweep_and_cb_compare_repeat_with_an_aa_arm(monkeypatch):
     started.clear()
     cb = cc.cb_compare(wl, 2, requests=2, repeats=2)
     assert [e for _, e in started].count(("-cb",)) == 4 and list(cb["flag"]) == ["-cb", "-nocb"]
-    assert cb.attrs["verdict"].startswith("TTFT p95: ")
+    assert cb.attrs["verdict"].startswith("TTFT p50: ")    # a p95 of two requests has no interval
+    assert set(cb.attrs["comparisons"]) == {"ttft_s_p50", "e2e_s_p50", "output_tok_per_s"}
+    assert {"decode_tok_per_s", "prefill_share", "decode_verdict"} <= set(table.columns)
+    # medians over trials of N / TPOT p50: positive, and a share of time before the first token
+    assert (table["decode_tok_per_s"] > 0).all() and table["prefill_share"].between(0, 1).all()

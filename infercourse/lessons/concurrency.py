@@ -45,7 +45,7 @@ from infercourse.measure.workloads import Workload, exact_length_prompt
 from infercourse.models.embedded import vocab_tokenizer
 
 __all__ = ["fixed_workload", "decode_params_per_token", "batch_ceiling", "np_sweep", "vllm_sweep", "staggered", "littles_law", "cb_compare",
-           "open_loop"]
+           "open_loop", "cb_prediction", "cb_sentence", "limit_sentence"]
 
 
 def fixed_workload(prompt_tokens: int, max_tokens: int, n: int, *, model: str | Path | None = None,
@@ -113,6 +113,15 @@ def _row(r: bench.BenchResult, **labels: Any) -> dict[str, Any]:
         for q in (50, 95):
             row[f"{m}_p{q}"] = float(np.nanpercentile(ok[m], q)) if len(ok) else np.nan
     row["e2e_s_mean"] = float(ok["e2e_s"].mean()) if len(ok) else np.nan
+    ranks = summary.order_stat_ci(len(ok), 0.5)          # TTFT p50's distribution-free interval (NaN: n < 6)
+    x = np.sort(ok["ttft_s"].to_numpy(float))
+    row["ttft_s_p50_lo"], row["ttft_s_p50_hi"] = (x[ranks[0] - 1], x[ranks[1] - 1]) if ranks else (np.nan, np.nan)
+    # the share of a request's time spent before its first token (prefill and queueing): the
+    # part of end-to-end throughput that is not decode
+    row["prefill_share"] = float((ok["ttft_s"] / ok["e2e_s"]).median()) if len(ok) else np.nan
+    users = labels.get("concurrency")
+    if users:   # aggregate decode rate: N sequences, one token each per TPOT
+        row["decode_tok_per_s"] = users / row["tpot_s_p50"] if row["tpot_s_p50"] > 0 else np.nan
     return row
 
 
@@ -179,6 +188,11 @@ def np_sweep(workload: Workload, levels: Sequence[int], *, requests_per_level: i
             table.loc[n, ["gain", "gain_lo", "gain_hi"]] = (c.interval.median, c.interval.lo, c.interval.hi) \
                 if c else (1.0, 1.0, 1.0)
             table.loc[n, "verdict"] = c.verdict.replace(" faster", " more tok/s") if c else "reference"
+        dv, _ = noise.compare_arms(trials, "decode_tok_per_s", f"np{levels[0]}", aa, higher_is_better=True)
+        for n in levels:
+            c = dv.get(f"np{n}")
+            table.loc[n, "decode_gain"] = c.interval.median if c else 1.0
+            table.loc[n, "decode_verdict"] = c.verdict.replace(" faster", " more decode tok/s") if c else "reference"
         table.attrs.update(noise_floor=floor.floor, noise_floor_text=floor.text())
     return table, [r for r, k in zip(runs, keep) if k]
 
@@ -241,7 +255,9 @@ def cb_compare(workload: Workload, concurrency: int, *, requests: int, model=Non
     """The same load with continuous batching on (`-cb`) and off (`-nocb`), `repeats` times
     in ABBA order (made even, as in `np_sweep`) with (repeats >= 2) an A/A rerun of `-cb`.
     Pass a `staggered` workload: with identical lengths the two cannot differ. One row per
-    setting (median over repeats); `attrs["verdict"]` judges TTFT p95 (`noise.compare_arms`).
+    setting (median over repeats); `attrs["verdict"]` judges TTFT p50 (`noise.compare_arms`;
+    a p95 of a handful of requests has no interval), `attrs["comparisons"]` holds TTFT p50,
+    E2E p50 and throughput, each a `noise.Comparison` (for `cb_sentence`).
 
     Args:
         workload: requests; concurrency: users = slots; requests: measured per setting and repeat.
@@ -264,10 +280,15 @@ def cb_compare(workload: Workload, concurrency: int, *, requests: int, model=Non
     trials, _ = noise.run_arms(arms, repeats, lambda flag, label: trial(flag, label.replace(" ", "_").replace("/", "")))
     keep = trials["arm"] != aa
     out = trials[keep].drop(columns=["arm", "rep"]).groupby(["setting", "flag"]).median().reset_index("flag")
-    verdicts, floor = noise.compare_arms(trials, "ttft_s_p95", "continuous batching", aa, higher_is_better=False)
-    if floor is not None:
-        out.attrs.update(verdict=f"TTFT p95: {verdicts['no continuous batching']}", noise_floor=floor.floor,
-                         noise_floor_text=floor.text())
+    comps = {}
+    for metric, hib in (("ttft_s_p50", False), ("e2e_s_p50", False), ("output_tok_per_s", True)):
+        v, floor = noise.compare_arms(trials, metric, "continuous batching", aa, higher_is_better=hib)
+        if floor is not None:
+            comps[metric] = v["no continuous batching"]
+            if metric == "ttft_s_p50":
+                out.attrs.update(verdict=f"TTFT p50: {v['no continuous batching']}", noise_floor=floor.floor,
+                                 noise_floor_text=floor.text())
+    out.attrs["comparisons"] = comps
     return out.loc[list(names.values())]
 
 
@@ -292,3 +313,63 @@ def open_loop(engine, workload: Workload, rates: Sequence[float], *, requests: i
         r, L = _queue_length(server, run_one) if server is not None else (run_one(), np.nan)
         rows.append(_row(r, offered_req_per_s=rate, L_server=L))
     return pd.DataFrame(rows).set_index("offered_req_per_s")
+
+
+def cb_prediction(ttft_s: float, tpot_s: float, max_tokens: int, factors: Sequence[float] = (0.25, 1.0, 2.0)) -> dict:
+    """What turning continuous batching off should cost, from the arithmetic. Without it a
+    user whose answer ends early sends the next request into a batch still running, and it
+    waits until the longest answer of that batch ends: (longest - own length) x TPOT, on
+    average (max(f) - mean(f)) x max_tokens x TPOT. With it, the request waits about one
+    step. Predicted TTFT ratio (no cb / cb) = (TTFT + wait) / TTFT.
+
+    Args:
+        ttft_s, tpot_s: TTFT and TPOT with continuous batching at that load (e.g. the sweep's p50s).
+        max_tokens: the workload's base output length; factors: `staggered`'s multiples.
+    """
+    wait = (max(factors) - float(np.mean(factors))) * max_tokens * tpot_s
+    return {"wait_s": wait, "ttft_ratio": (ttft_s + wait) / ttft_s}
+
+
+def cb_sentence(cb: pd.DataFrame, predicted: dict | None = None) -> str:
+    """The continuous-batching comparison in words, every metric in the direction it moved:
+    TTFT p50, E2E p50 and throughput, each with its verdict (`claims.verdict_sentence`),
+    beside the predicted TTFT ratio and whether the A/A band could resolve it."""
+    from infercourse.measure import claims
+    comps = cb.attrs.get("comparisons", {})
+    if not comps:
+        return "One run per setting (REPEATS < 2): no A/A floor, so the two settings are not compared."
+    names = {"ttft_s_p50": "TTFT p50", "e2e_s_p50": "E2E p50", "output_tok_per_s": "throughput"}
+    parts = [claims.verdict_sentence(c, names[m]) for m, c in comps.items()]
+    if predicted:
+        f, r = cb.attrs.get("noise_floor", float("nan")), predicted["ttft_ratio"]
+        can = r > 1 + f
+        parts.insert(0, f"The arithmetic predicts TTFT × {r:.2f} without continuous batching (a wait of "
+                        f"{predicted['wait_s'] * 1e3:.0f} ms per request); the A/A band is ±{f:.0%}, so this run "
+                        + ("could resolve an effect of that size." if can else
+                           "could **not** resolve an effect of that size: whatever the verdict, it is not evidence "
+                           "about continuous batching on this machine."))
+    return "\n".join(f"- {x}" for x in parts)
+
+
+def limit_sentence(table: pd.DataFrame, roof: pd.DataFrame) -> str:
+    """What limits the top of the curve, from the run: the aggregate decode rate (N / TPOT)
+    against batch size (flat: each sequence brings its own arithmetic, compute-bound; rising:
+    a shared weight read, memory-bound), the prefill share of each request (the part of
+    end-to-end throughput that is not decode), and the roof it is held under."""
+    from infercourse.measure import claims
+    d = table["decode_tok_per_s"]
+    floor = table.attrs.get("noise_floor")
+    trend = claims.trend_sentence(list(d.index), list(d), floor, what="aggregate decode rate (N ÷ TPOT p50)",
+                                  x_name="batch")
+    if "decode_verdict" in table:
+        trend += f" Paired test at {d.index[-1]} users: {table['decode_verdict'].iloc[-1]}."
+    share = table["prefill_share"]
+    pre = (f"Before its first token each request spent {share.min():.0%}–{share.max():.0%} of its time (median "
+           f"TTFT ÷ E2E), so end-to-end throughput ({table['output_tok_per_s'].iloc[0]:.3g} → "
+           f"{table['output_tok_per_s'].iloc[-1]:.3g} tok/s) understates decode by that much.")
+    row = roof.loc[d.index[-1]] if d.index[-1] in roof.index else roof.iloc[-1]
+    src = roof.attrs.get("compute_source", "")
+    top = f"The compute roof is {row['compute_roof_tok_per_s']:.3g} tok/s ({src}); the decode rate at the top level is " \
+          f"{d.iloc[-1] / row['compute_roof_tok_per_s']:.0%} of it and {d.iloc[-1] / row['memory_bound_tok_per_s']:.0%} " \
+          f"of the memory roof."
+    return " ".join([trend, pre, top])

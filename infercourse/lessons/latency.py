@@ -40,7 +40,7 @@ from infercourse.servers import LlamaServer
 
 __all__ = ["serve", "requests_for", "one_request", "anatomy", "sequential", "distribution_table", "pooled_tail_by_blocks", "pooled_tail_note",
            "peer_table", "rechunk", "chunking_table", "predicted_wait", "overload", "measured_wait", "wait_table", "server_vs_client",
-           "clock_verdicts"]
+           "clock_verdicts", "service_drift"]
 
 
 @contextlib.contextmanager
@@ -331,3 +331,18 @@ def clock_verdicts(unloaded: pd.DataFrame, loaded: pd.DataFrame, metric: str = "
     out = pd.DataFrame(rows).T
     out.attrs["noise_floor_text"] = floor.text()
     return out
+
+
+def service_drift(unloaded_s: float, wait: dict[str, float], asked: float) -> str:
+    """S as the unloaded run measured it against S inside the overload run (its gap between
+    completions), and the overload that was really applied. The A/A floor from one run's
+    even and odd requests cannot see this: it is drift *between* runs. The sentence flips
+    with the direction of the drift and says when there was none to speak of (within 5%)."""
+    s2, r = wait["service_s"], wait["service_s"] / unloaded_s
+    head = (f"S was {unloaded_s * 1e3:.0f} ms in the unloaded run and {s2 * 1e3:.0f} ms inside the overload run "
+            f"({r:.2f}×), so the overload applied was {wait['overload']:.2f}× where {asked:g}× was asked")
+    if abs(r - 1) <= 0.05:
+        return head + ": the machine ran at about the same speed in both runs (within 5%)."
+    return head + (f": the machine was {'slower' if r > 1 else 'faster'} during the overload run (another program "
+                   "starting or stopping, or a warmer cache). Compare the last request's wait with the arithmetic "
+                   "at the applied overload; the even/odd A/A floor cannot see this drift between runs.")

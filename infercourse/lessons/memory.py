@@ -176,6 +176,7 @@ def decode_vs_context(engine, tokenize, contexts: Sequence[int], *, max_tokens: 
         rows.append(row)
     out = pd.DataFrame(rows).set_index("context")
     out.attrs["noise_floor_text"] = floor.text() if floor else "repeats = 1: no A/A floor"
+    out.attrs["noise_floor"] = floor.floor if floor else None
     return out
 
 

@@ -39,7 +39,7 @@ from infercourse.models.embedded import cache_dir
 
 __all__ = ["TRAIN_TOPICS", "HELDOUT_TOPICS", "chat_ids", "generate_docs", "trunk_features",
            "make_heads", "train_heads", "heads_drafter", "heldout_acceptance", "versus_yardstick",
-           "trained_heads"]
+           "findings", "trained_heads"]
 
 TRAIN_TOPICS = ["a lighthouse keeper", "how bread rises", "the water cycle", "a chess opening",
                 "why cats purr", "how a bicycle stays upright", "a rainy market day", "volcanoes",
@@ -266,19 +266,30 @@ def heldout_acceptance(heads, feats: list[dict], start: Sequence[int]):
 
 def versus_yardstick(share: float, yardstick: float, positions: int) -> str:
     """A head's held-out share right against its yardstick (always the commonest token), in
-    words: "clear of" only when the gap exceeds 2 binomial standard errors of a share at the
-    yardstick's rate on that many positions (sqrt(p0 (1 - p0) / n)); neighbouring positions
-    of one text are not independent, so read 2 SE as a floor, not a test.
+    words (`claims.share_vs_yardstick`): "clear of" only beyond 2 SE allowing for correlated
+    neighbouring positions; between that and 2 independent SEs, both readings are given."""
+    from infercourse.measure.claims import share_vs_yardstick
+    return share_vs_yardstick(share, yardstick, positions)
 
-    Args:
-        share: the head's `head_alone`; yardstick: its `always_most_common`; positions: n.
-    """
-    se = (yardstick * (1 - yardstick) / max(positions, 1)) ** 0.5
-    if share - yardstick > 2 * se:
-        return f"clear of the yardstick's {yardstick:.1%}"
-    if yardstick - share > 2 * se:
-        return f"below the yardstick's {yardstick:.1%}"
-    return f"no better than the yardstick's {yardstick:.1%}, within 2 SE"
+
+def findings(acc, runs, cost) -> list[str]:
+    """Bullets on what this run showed, from its tables: held-out acceptance of each kind
+    against its yardstick and against the other kind, the pass-cost shape, and each heads
+    drafter's verdict on the open prompt. Every comparison flips with the numbers."""
+    from infercourse.measure import claims
+    last = acc.groupby(level="kind")["tokens_per_pass"].last()
+    kinds = list(last.index)
+    out = [claims.marginal_cost_sentence(list(cost.index), cost["cost_vs_1"], list(cost["verdict"]))]
+    if len(kinds) == 2:
+        a, b = kinds
+        t2 = acc.groupby(level="kind")["head_alone"].first()
+        n = int(acc.groupby(level="kind")["positions"].first().min())
+        out.append(f"t+2 guesses right: {a} {t2[a]:.1%}, {b} {t2[b]:.1%}: {b} is "
+                   + claims.share_vs_yardstick(t2[b], t2[a], n, name=a) + ".")
+    for r in runs[runs.drafter.str.contains("heads") & (runs.prompt == "open")].itertuples():
+        out.append(f"{r.drafter}, open prompt: {r.speed_up:.2f}× plain decoding [{r.speed_up_lo:.2f}, "
+                   f"{r.speed_up_hi:.2f}]: {r.verdict}.")
+    return out
 
 
 def trained_heads(model, tokenizer, base_id: str, *, kinds: Sequence[str] = ("medusa", "mtp"),

@@ -30,7 +30,7 @@ from infercourse.models.modelcard import kv_bytes_per_token
 __all__ = ["probe", "memory_bandwidth_gbs", "matmul_gflops", "kv_bytes_per_token",
            "bytes_per_decoded_token", "decode_ceiling_tok_per_s", "prefill_ceiling_tok_per_s",
            "prefill_params_per_token",
-           "mbu", "arithmetic_intensity", "balance_tokens", "ceilings", "chunks_per_second"]
+           "mbu", "arithmetic_intensity", "balance_tokens", "ceilings", "chunks_per_second", "calibrated_roof"]
 
 
 def _best_time(fn: Callable[[], Any], *, repeats: int, budget_s: float) -> float:
@@ -243,3 +243,30 @@ def chunks_per_second(n_chunks: int = 20_000, n_requests: int = 3) -> dict[str, 
         if loop_in_thread(lambda: probe(engine)):
             raise KeyboardInterrupt
     return best
+
+
+def calibrated_roof(ceil, measured_decode) -> "Any":
+    """A compute roof that cannot sit below what the engine was measured to do.
+
+    The probe's roof comes from a float32 matrix multiply in numpy; the engine runs its own
+    kernels (quantized weights, other data types, other thread counts), which can be faster
+    than that probe. A roof below a measured rate is wrong by construction, so the roof used
+    is the higher of the probe's and the best measured aggregate decode rate; `attrs
+    ["compute_source"]` says which one it is (when it is the measured one, the true roof is
+    at least that, and the run shows no headroom above it).
+
+    Args:
+        ceil: `lessons.concurrency.batch_ceiling`'s table (one row per batch size).
+        measured_decode: aggregate decode tok/s per batch size (a Series indexed by batch).
+    """
+    out = ceil.copy()
+    probe = float(out["compute_bound_tok_per_s"].iloc[0])
+    best = float(max(v for v in measured_decode if v == v)) if len(measured_decode) else 0.0
+    roof = max(probe, best)
+    out["compute_roof_tok_per_s"] = roof
+    out["ceiling_tok_per_s"] = out[["memory_bound_tok_per_s", "compute_roof_tok_per_s"]].min(axis=1)
+    out["bound"] = ["memory" if m < roof else "compute" for m in out["memory_bound_tok_per_s"]]
+    out.attrs["compute_source"] = (f"the f32 matmul probe, {probe:.3g} tok/s" if probe >= best else
+                                   f"the engine's best measured decode rate, {best:.3g} tok/s: the f32 probe's "
+                                   f"{probe:.3g} tok/s sat below it")
+    return out
