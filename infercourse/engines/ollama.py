@@ -26,6 +26,12 @@ Each streamed object holds one token's text, so chunks count 1 token each.
 
 Two limits to know: Ollama has no `ignore_eos` (a forced length is impossible: we warn
 and record it), and a prompt longer than `num_ctx` is truncated silently, not refused.
+
+Same weights: `ollama pull smollm2:135m` fetches the registry's file, not the course's.
+`create_from_gguf` makes an Ollama model from the course's own GGUF instead: it uploads the
+file as a blob (`POST /api/blobs/sha256:<digest>`) and creates a model from it
+(`POST /api/create` with `files`), the API form of a Modelfile `FROM /path/to.gguf`.
+`OllamaEngine.from_gguf` does that and opens the engine on it.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import json
 import os
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -41,7 +48,7 @@ from infercourse import compat
 from infercourse.core.errors import APILayerError, ModelLayerError
 from infercourse.core.types import Event, Messages, Request, Usage, as_request
 
-__all__ = ["OllamaEngine", "OLLAMA_TIMING_FIELDS", "prompt_counts"]
+__all__ = ["OllamaEngine", "OLLAMA_TIMING_FIELDS", "prompt_counts", "create_from_gguf"]
 
 OLLAMA_TIMING_FIELDS = ("total_duration", "load_duration", "prompt_eval_count",
                         "prompt_eval_cached_count", "prompt_eval_duration", "eval_count",
@@ -63,6 +70,24 @@ def prompt_counts(final: dict[str, Any]) -> tuple[int | None, int | None]:
     if cached is None:
         return None, None
     return int(final.get("prompt_eval_count") or 0), int(cached)
+
+
+def create_from_gguf(client: Any, gguf: str | Path, name: str | None = None) -> str:
+    """Create an Ollama model from a local GGUF file; return its name.
+
+    The name carries the first 12 hex digits of the file's SHA-256 (`infercourse-<stem>:<digest>`),
+    so the same file always makes the same model and a different file never reuses it.
+
+    Args:
+        client: an `ollama.Client` (its `create_blob` hashes and uploads the file).
+        gguf: the GGUF file, e.g. `models.embedded.embedded_gguf()`.
+        name: the model name (None: derived from the file as above).
+    """
+    path = Path(gguf)
+    digest = client.create_blob(path)          # "sha256:<hex>"; the server keeps one copy per digest
+    name = name or f"infercourse-{path.stem.lower().replace('_', '-')}:{digest.split(':', 1)[1][:12]}"
+    client.create(model=name, files={path.name: digest})
+    return name
 
 
 class OllamaEngine:
@@ -95,6 +120,29 @@ class OllamaEngine:
         self.where = f"{url.host}:{url.port or 11434}"
         self._ollama = ollama
         self.client = ollama.Client(host=self.host, **client_kwargs)
+
+    @classmethod
+    def from_gguf(cls, gguf: str | Path | None = None, **kwargs: Any) -> "OllamaEngine":
+        """An engine on an Ollama model created from `gguf` (None: the course's embedded GGUF),
+        so that Ollama serves the same weights as every other route (`create_from_gguf`).
+
+        Args:
+            gguf: the GGUF file.
+            **kwargs: as `OllamaEngine` (host, api, num_ctx, keep_alive, client options).
+        """
+        if gguf is None:
+            from infercourse.models.embedded import embedded_gguf
+            gguf = embedded_gguf()
+        engine = cls("", **kwargs)
+        try:
+            engine.model = create_from_gguf(engine.client, gguf)
+        except engine._ollama.ResponseError as exc:   # the server refused the file: the model layer
+            raise ModelLayerError(f"Ollama at {engine.where} could not create a model from {gguf}: "
+                                  f"HTTP {exc.status_code}: {exc.error}") from exc
+        except (ConnectionError, httpx.HTTPError) as exc:
+            raise engine._error(exc, []) from exc
+        engine.gguf = Path(gguf)
+        return engine
 
     def options(self, request: Request) -> dict[str, Any]:
         """The `options` object sent with every request (Modelfile parameter names)."""

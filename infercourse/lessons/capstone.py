@@ -4,12 +4,14 @@ The agentic coding session (`measure.workloads.agentic_workload`) is replayed ag
 route this machine has, each skipped with the reason where absent. The guide's routes, and
 exactly what runs for each here:
 
-- **A** Ollama: an Ollama server you run, with `ollama_model` pulled (its own file);
+- **A** Ollama: an Ollama server you run, serving a model created from the course's own GGUF
+  (`OllamaEngine.from_gguf`: the same weights as C and D), or `ollama_model` if you name one
+  (its own file, said in the route's name);
 - **B** `mlx_lm.server` on an MLX folder (`mlx_model`), or vLLM's CPU build on the same
   weights in float32 where its environment exists (`vllm=True`);
 - **C** llama-server on the embedded GGUF (the only route a fault can be injected into);
-- **D** a runtime in process: llama.cpp (llama-cpp-python) by default; MLX-LM in process
-  (`route_d="mlx"`, the guide's D: mlx[cpu] on Linux, very slow there).
+- **D** MLX-LM in process (the guide's D) on the embedded weights converted to MLX, wherever
+  MLX imports (`mlx[cpu]` on Linux: slow, but it runs); else llama.cpp in process, named so.
 
 The baseline is replayed twice (A/A): the difference between the two is each route's noise
 floor. Then a fault drawn by seed from the fault lab degrades one route, hidden from the
@@ -40,7 +42,10 @@ __all__ = ["HIDDEN", "REPORT_TEMPLATE", "Route", "routes", "replay", "summarize"
 
 # Faults a route can suffer while the session runs, and still be undone at once.
 HIDDEN = ("latency", "slow_first_byte", "cut", "reset", "5xx", "overloaded", "killed")
-MAX_DELAY_S = 12.0    # the largest delay fault (see run_incident): under the replay timeout (30 s) with a slow baseline
+# the largest delay fault (see run_incident): under the replay timeout (30 s), and under the 10-s model
+# lookup (GET /v1/models) the fault's own first request makes through the delaying proxy (a 12-s delay
+# failed it on a busy 2-core machine, with ReadTimeout)
+MAX_DELAY_S = 8.0
 REPORT_TEMPLATE = {"route": None, "symptom": None, "layer": None, "evidence": None, "fix": None}
 
 
@@ -61,28 +66,40 @@ class Route:
 
 def routes(stack: contextlib.ExitStack, *, threads: int = 1, ctx_size: int = 4096,
            ollama_model: str | None = None, mlx_model: str | None = None, vllm: bool = False,
-           route_d: str = "llama.cpp") -> list[Route]:
-    """Every route of the guide, started where possible (servers stopped with `stack`).
+           route_d: str = "auto", status: dict | None = None) -> list[Route]:
+    """Every route of the guide, started where possible (servers stopped with `stack`); each
+    route's name says exactly what runs, and a skipped one says why.
 
     Args:
         stack: an ExitStack the caller closes (servers stop with it).
         threads: CPU threads per runtime.
         ctx_size: llama-server context (one slot).
-        ollama_model: an Ollama model name (route A; None: skipped).
+        ollama_model: an Ollama model name for route A (None: a model created from the
+            course's GGUF, the same weights as C and D).
         mlx_model: an MLX model folder (route B's mlx_lm.server; None: skipped unless `vllm`).
         vllm: route B is vLLM's CPU build on the embedded weights (float32), where its
             environment exists (minutes to start).
-        route_d: "llama.cpp" (llama-cpp-python in process) or "mlx" (MLX-LM in process on the
-            embedded weights converted to MLX: the guide's D; slow off Apple Silicon).
+        route_d: "auto" (MLX-LM in process where MLX imports, else llama.cpp in process),
+            "mlx" or "llama.cpp".
+        status: `doctor.engine_status()` (None: asked now).
     """
     from infercourse.ops.doctor import engine_status
-    st, out = engine_status(), []
-    if not st["ollama"]["usable"] or not ollama_model:
-        out.append(Route("A", "Ollama", skipped=st["ollama"]["why"] if not st["ollama"]["usable"]
-                         else "set OLLAMA_MODEL to a model Ollama has pulled"))
+    st, out = status or engine_status(), []
+    if route_d not in ("auto", "mlx", "llama.cpp"):
+        raise ValueError(f"route_d must be 'auto', 'mlx' or 'llama.cpp', got {route_d!r}")
+    if not st["ollama"]["usable"]:
+        out.append(Route("A", "Ollama", skipped=st["ollama"]["why"]))
     else:
         from infercourse.engines.ollama import OllamaEngine
-        out.append(Route("A", "Ollama", OllamaEngine(ollama_model)))
+        if ollama_model:
+            out.append(Route("A", f"Ollama ({ollama_model}: its own file, not the course's)",
+                             OllamaEngine(ollama_model)))
+        else:
+            try:
+                eng = OllamaEngine.from_gguf()
+                out.append(Route("A", f"Ollama ({eng.model}, created from the course's GGUF)", eng))
+            except InferCourseError as e:   # the server refused the file: the row says so
+                out.append(Route("A", "Ollama (the course's GGUF)", skipped=str(e)))
     if vllm:
         if not st["vllm"]["usable"]:
             out.append(Route("B", "vLLM CPU (OpenAI server)", skipped=st["vllm"]["why"]))
@@ -104,20 +121,22 @@ def routes(stack: contextlib.ExitStack, *, threads: int = 1, ctx_size: int = 409
         out.append(Route("C", "llama-server", srv.engine(timeout=60), srv))
     except InferCourseError as e:
         out.append(Route("C", "llama-server", skipped=str(e)))
-    if route_d == "mlx":
-        if not st["mlx"]["usable"]:
-            out.append(Route("D", "MLX-LM in process", skipped=st["mlx"]["why"]))
-        else:
-            from infercourse.engines.mlx_engine import MLXEngine
-            from infercourse.models.formats import mlx_folder
-            out.append(Route("D", "MLX-LM in process (embedded weights as MLX)", MLXEngine(mlx_folder())))
-    elif route_d == "llama.cpp":
-        from infercourse.engines.llamacpp import LlamaCppEngine
-        out.append(Route("D", "llama.cpp in process (llama-cpp-python; the guide's D is MLX-LM: ROUTE_D='mlx')",
-                         LlamaCppEngine(n_ctx=ctx_size, n_threads=threads)))
-    else:
-        raise ValueError(f"route_d must be 'llama.cpp' or 'mlx', got {route_d!r}")
+    out.append(_route_d(route_d, st["mlx"], threads=threads, ctx_size=ctx_size))
     return out
+
+
+def _route_d(choice: str, mlx: dict[str, Any], *, threads: int, ctx_size: int) -> Route:
+    """Route D, named after what runs: MLX-LM in process (the guide's D) where MLX imports."""
+    if choice == "mlx" and not mlx["usable"]:
+        return Route("D", "MLX-LM in process", skipped=mlx["why"])
+    if choice == "mlx" or (choice == "auto" and mlx["usable"]):
+        from infercourse.engines.mlx_engine import MLXEngine
+        from infercourse.models.formats import mlx_folder
+        return Route("D", "MLX-LM in process (embedded weights as MLX)", MLXEngine(mlx_folder()))
+    from infercourse.engines.llamacpp import LlamaCppEngine
+    why = "" if choice == "llama.cpp" else f"; not MLX-LM, the guide's D: {mlx['why']}"
+    return Route("D", f"llama.cpp in process (llama-cpp-python{why})",
+                 LlamaCppEngine(n_ctx=ctx_size, n_threads=threads))
 
 
 def _calls(n_calls: int, max_tokens: int) -> Workload:

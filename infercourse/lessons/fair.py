@@ -13,8 +13,9 @@ labels it beside the numbers.
 A route (`ops.routes`) is an engine plus whatever stands in front of it: llama.cpp in
 process, llama-server, transformers, MLX in process, mlx_lm.server, vLLM's CPU build,
 Ollama. Each route is built, warmed up with the same short request, measured and torn down in
-turn (loaded once). A route that cannot run here still gets a row, saying why (from
-`ops.doctor.engine_status`).
+turn (loaded once). Every route that can run here runs (MLX's CPU build and vLLM's CPU build
+too: slow, and measured as such); one that cannot still gets a row, saying why, computed by
+`ops.doctor.engine_status` on this machine (`plan`).
 """
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ from infercourse.measure.importers import load_vllm_bench
 from infercourse.measure.results import Run, compare, differing_conditions, load_run, new_run_dir
 from infercourse.measure.workloads import DATA_DIR, Workload, agentic_workload
 # Routes (how each is opened, which run here) are shared with notebook 17: ops.routes.
-from infercourse.ops.routes import ROUTES, open_route, route_status, slow_routes
+from infercourse.ops.routes import ROUTES, open_route, route_status
 
-__all__ = ["FAIR_KEYS", "LABELLED", "ROUTES", "PEER_FIXTURE", "WARMUP", "agent_calls", "route_status", "slow_routes",
+__all__ = ["FAIR_KEYS", "LABELLED", "ROUTES", "PEER_FIXTURE", "WARMUP", "agent_calls", "route_status", "plan",
            "open_route", "measure_routes", "fair_table", "engine_table", "plot_routes", "explain",
            "server_vs_in_process", "peer_run", "peer_beside_ours"]
 
@@ -65,6 +66,28 @@ def agent_calls(n_calls: int, max_tokens: int) -> Workload:
     reqs = tuple(Request(messages=r.messages, max_tokens=max_tokens, ignore_eos=True)
                  for r in wl.requests[:n_calls])
     return Workload(f"{wl.name}-first{n_calls}-max{max_tokens}", reqs, cache_workload=True)
+
+
+def plan(names: list[str], status: dict | None = None, skip: dict[str, str] | None = None) -> pd.DataFrame:
+    """Which routes will run, and why each other one will not: one row per route (`run`, `why`).
+
+    A route runs if this machine can run it (`ops.doctor.engine_status`), however slowly, unless
+    `skip` names it; `why` is the doctor's reason (e.g. what does not import, or the vLLM
+    environment's path and the command that builds it) or "skipped by you: <reason>".
+
+    Args:
+        names: routes from `ROUTES`.
+        status: `doctor.engine_status()` (None: asked now).
+        skip: {route: reason} not to run although it could.
+    """
+    here, skip = route_status(names, status), skip or {}
+    unknown = set(skip) - set(names)
+    if unknown:
+        raise ValueError(f"skip names route(s) not in the list: {sorted(unknown)}")
+    run = here["here"] & ~here.index.isin(list(skip))
+    why = [here.loc[n, "why"] if not here.loc[n, "here"] else f"skipped by you: {skip[n]}" if n in skip
+           else f"runs: {here.loc[n, 'why']}" for n in names]
+    return pd.DataFrame({"run": run, "why": why}, index=here.index)
 
 
 def _row(name: str, run: Run, mem_bytes: float) -> dict[str, Any]:
@@ -100,14 +123,13 @@ def measure_routes(names: list[str], workload: Workload, *, threads: int, ctx_si
         threads, ctx_size: as `open_route`.
         results_root: parent folder for one run folder per route (None: bench's default).
         status: `doctor.engine_status()` (None: asked now).
-        skip: {route: reason} not to run even if usable (e.g. `slow_routes()`).
+        skip: {route: reason} not to run although it could (`plan`).
     """
-    here, skip = route_status(names, status), skip or {}
+    todo = plan(names, status, skip)
     rows, runs = [], {}
     for name in names:
-        if not here.loc[name, "here"] or name in skip:
-            why = here.loc[name, "why"] if not here.loc[name, "here"] else f"skipped: {skip[name]}"
-            rows.append({"route": name, "ran": False, "why": why})
+        if not todo.loc[name, "run"]:
+            rows.append({"route": name, "ran": False, "why": todo.loc[name, "why"]})
             continue
         try:
             with open_route(name, threads=threads, ctx_size=ctx_size) as (engine, fair, mem):

@@ -12,7 +12,7 @@ events (SSE) that come back, and `LlamaServer.argv()` the literal server command
 
 `weights_read` says how many bytes of weights each engine streams per decoded token (the
 same model is 4-bit in llama.cpp but float32 in transformers), so every engine gets its
-own bandwidth ceiling. `draw_stack` draws the layers with the notebooks that teach each.
+own bandwidth ceiling. `draw_stack` draws the layers with the notebooks that measure each.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import pandas as pd
 from infercourse.core.types import Request, generate
 from infercourse.core.trace import record
 
-__all__ = ["LAYERS", "TOOLS", "STACK", "tools_frame", "first_answers", "through_layers",
+__all__ = ["LAYERS", "TOOLS", "STACK", "WALK", "tools_frame", "first_answers", "through_layers",
            "weights_read", "raw_exchange", "draw_stack", "plot_engine_speeds"]
 
 LAYERS = ["API", "server", "engine", "runtime", "backend", "model manager"]
@@ -276,23 +276,26 @@ def raw_exchange(url: str, prompt: str, *, max_tokens: int = 8, model: str = "an
             "lines": lines, "events": events, "texts": texts}
 
 
-# Which notebook teaches which layer (top to bottom), and the tools that fill the layer.
+# Which notebooks measure each layer (top to bottom), and the tools that fill the layer; WALK
+# walks every layer (troubleshooting). Together they name every notebook of notebooks/README.md.
 STACK: list[tuple[str, str, tuple[str, ...]]] = [
-    ("user", "a person or a program waiting for text", ()),
-    ("agent", "a loop of model calls + tools; re-sends the context", ("02",)),
-    ("API", "chat template, JSON over HTTP, SSE streaming", ("01",)),
-    ("inference server", "slots, queue, /metrics (llama-server, vLLM, Ollama)", ("01", "05")),
-    ("engine", "scheduling, batching, KV + prefix caches, speculation", ("04", "05", "07", "08")),
-    ("runtime", "runs the model's ops: llama.cpp, MLX-LM, transformers", ("00", "03")),
-    ("compute backend", "kernels: CPU SIMD, CUDA, Metal; quantized math", ("03", "06")),
-    ("hardware", "memory bandwidth and FLOP/s: the ceilings", ("00", "03")),
-    ("model", "weights and architecture: params, layers, KV heads", ("00", "04", "06")),
+    ("user", "a person or a program waiting for text", ("09",)),
+    ("agent", "a loop of model calls + tools; re-sends the context", ("02", "18", "18b", "19")),
+    ("API", "chat template, JSON over HTTP, SSE streaming", ("01", "09", "18", "18b")),
+    ("inference server", "slots, queue, /metrics (llama-server, vLLM, Ollama)", ("01", "05", "10", "14", "19")),
+    ("engine", "scheduling, batching, KV + prefix caches, speculation", ("04", "05", "07", "08", "10", "13")),
+    ("runtime", "runs the model's ops: llama.cpp, MLX-LM, transformers", ("00", "03", "12")),
+    ("compute backend", "kernels: CPU SIMD, CUDA, Metal; quantized math", ("03", "06", "06b")),
+    ("hardware", "memory bandwidth, FLOP/s, RAM: ceilings and limits", ("00", "03", "11")),
+    ("model", "weights and architecture: params, layers, KV heads", ("00", "04", "06", "06b", "08")),
 ]
+WALK = ("15", "16", "17")
 
 
 def draw_stack(path: Any = None, *, ax=None):
     """Draw the stack as boxes, top (user) to bottom (model), each with the notebooks that
-    teach it; returns the Axes (and saves a PNG to `path` when given).
+    measure it, and the troubleshooting notebooks (`WALK`) beside every layer; returns the
+    Axes (and saves a PNG to `path` when given, its table in the PNG's metadata).
 
     Args:
         path: where to save the figure (None: don't save).
@@ -301,29 +304,34 @@ def draw_stack(path: Any = None, *, ax=None):
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch
     if ax is None:
-        _, ax = plt.subplots(figsize=(11.5, 6.2))
-    n = len(STACK)
-    cmap = plt.get_cmap("viridis")
+        _, ax = plt.subplots(figsize=(13.5, 6.2))
+    n, cmap = len(STACK), plt.get_cmap("viridis")
+
+    def tag(x, y, h, nb):   # one notebook's white box
+        ax.add_patch(FancyBboxPatch((x, y), 0.56, h, boxstyle="round,pad=0.03", fc="white", ec="0.3"))
+        ax.text(x + 0.28, y + h / 2, nb, ha="center", va="center", fontsize=10)
     for i, (name, what, nbs) in enumerate(STACK):
         y = n - 1 - i
         ax.add_patch(FancyBboxPatch((0, y + 0.08), 9.4, 0.84, boxstyle="round,pad=0.02",
                                     fc=cmap(0.1 + 0.55 * i / n), ec="none"))
         ax.text(0.2, y + 0.5, name, va="center", fontsize=12, weight="bold", color="white")
-        ax.text(2.9, y + 0.5, what, va="center", fontsize=10, color="white")
+        ax.text(3.2, y + 0.5, what, va="center", fontsize=10, color="white")
         for k, nb in enumerate(nbs):
-            ax.add_patch(FancyBboxPatch((9.7 + 0.62 * k, y + 0.22), 0.5, 0.56, boxstyle="round,pad=0.03",
-                                        fc="white", ec="0.3"))
-            ax.text(9.95 + 0.62 * k, y + 0.5, nb, ha="center", va="center", fontsize=10)
-    ax.annotate("", xy=(-0.25, 0.2), xytext=(-0.25, n - 0.2),
-                arrowprops=dict(arrowstyle="->", color="0.4", lw=1.5))
+            tag(9.7 + 0.68 * k, y + 0.22, 0.56, nb)
+    right = 9.7 + 0.68 * max(len(nbs) for *_, nbs in STACK) + 0.3
+    for k, nb in enumerate(WALK):   # every layer, top to bottom: the walk of notebook 15
+        tag(right + 0.68 * k, 0.2, n - 0.4, nb)
+    ax.text(right + 0.34 * len(WALK), n + 0.05, "every layer", ha="center", fontsize=10, color="0.3")
+    ax.annotate("", xy=(-0.25, 0.2), xytext=(-0.25, n - 0.2), arrowprops=dict(arrowstyle="->", color="0.4", lw=1.5))
     ax.text(-0.45, n / 2, "a request goes down; tokens come back up", rotation=90,
             va="center", ha="center", fontsize=9, color="0.3")
-    ax.text(10.9, n + 0.05, "notebooks", ha="center", fontsize=10, color="0.3")
-    ax.set(xlim=(-0.7, 12.3), ylim=(-0.1, n + 0.45))
+    ax.text((9.7 + right) / 2, n + 0.05, "notebooks", ha="center", fontsize=10, color="0.3")
+    ax.set(xlim=(-0.7, right + 0.68 * len(WALK) + 0.1), ylim=(-0.1, n + 0.45))
     ax.axis("off")
     ax.set_title("The LLM inference stack, and which notebook measures each layer", fontsize=12)
-    if path is not None:
-        ax.figure.savefig(path, dpi=110, bbox_inches="tight")
+    if path is not None:   # the table travels in the PNG, so a test can tell a stale figure
+        meta = {"Description": json.dumps({"stack": [[name, list(nbs)] for name, _, nbs in STACK], "walk": list(WALK)})}
+        ax.figure.savefig(path, dpi=110, bbox_inches="tight", metadata=meta)
     return ax
 
 

@@ -11,7 +11,8 @@ The measurements judge their own effect against an A/A floor (`measure.noise`): 
 grows with the prompt, or decode that slows beside busy processes, names a layer only when
 the change clears what the same measurement does to itself. `retry_tail` shows what a
 client's retries with backoff do to the tail: errors become slow successes. `write_cheatsheet`
-turns the rows into a markdown cheat sheet with this run's numbers.
+turns the rows into a markdown cheat sheet with this run's numbers; `cheatsheet_markdown` is the
+same sheet before any run, generated from these tables (`notebooks/cheatsheet_symptoms.md`).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from infercourse.ops.anthropic_probe import cache_buster_check, tool_check
 from infercourse.ops.faults import FAULTS, run_fault
 
 __all__ = ["SYMPTOMS", "DIFFERS", "SymptomRow", "reproduce", "context_growth", "cpu_contention", "retry_tail",
-           "blank_sheet", "table", "score", "write_cheatsheet"]
+           "blank_sheet", "table", "score", "write_cheatsheet", "MEASURED", "cheatsheet_markdown"]
 
 # symptom -> (the guide's suspect layers, in its order; how it is reproduced here)
 SYMPTOMS = {
@@ -61,6 +62,16 @@ DIFFERS = {
                    "the lab makes tokens slow by taking the CPU away (hardware)",
     "crash after a long run": "the OOM killer's SIGKILL leaves no line in the server's log, so the doctor sees only a "
                               "process gone (server); the RSS growth before the kill is what says memory",
+}
+
+# The rows reproduced by a live measurement rather than a fault: (what is measured, the layer it names).
+MEASURED = {
+    "context_growth": ("TTFT of a short and a long prompt, no prefix reuse, against an A/A floor", "context"),
+    "cpu_contention": ("decode tok/s alone and beside two busy processes per core, against an A/A floor",
+                       "hardware"),
+    "cache_buster": ("cached tokens of the same /v1/messages call with a fixed and with a changing header",
+                     "KV cache"),
+    "anthropic_tools": ("the doctor's /v1/messages checks: a tool call and its result", "model or API"),
 }
 
 _HTML = re.compile(r"<[^>]+>")
@@ -289,3 +300,26 @@ def write_cheatsheet(rows: list[SymptomRow], path: str | Path, *, machine: str =
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def cheatsheet_markdown() -> str:
+    """The cheat sheet generated from `SYMPTOMS`, `DIFFERS`, `MEASURED` and the fault lab:
+    what the user sees, which layers to check first, how the lab reproduces it and the layer
+    that names. `notebooks/cheatsheet_symptoms.md` is this text (a test holds it so); notebook
+    16 writes the same rows with one run's evidence (`write_cheatsheet`)."""
+    cell = lambda v: str(v).replace("|", "/")   # noqa: E731
+    lines = ["# Symptom cheat sheet: what the user sees → which layer to check", "",
+             "Generated from `infercourse.lessons.symptoms` by `cheatsheet_markdown()` (a test keeps this file "
+             "equal to it). Notebook 16 (`16_symptom_lab`) reproduces every row live and writes the same table "
+             "with that run's evidence and timings to its results folder (`write_cheatsheet`). \"check first\" "
+             "is the reference guide's usual suspects; \"the lab's layer\" is the layer the lab's reproduction "
+             "names, and \"why it can differ\" says why a run's evidence can name a layer other than the "
+             "guide's.", "",
+             "| symptom | check first | reproduced by | how | the lab's layer | why it can differ |",
+             "|---|---|---|---|---|---|"]
+    for symptom, (suspects, how) in SYMPTOMS.items():
+        what, layer = (FAULTS[how].how, FAULTS[how].layer) if how in FAULTS else MEASURED[how]
+        kind = f"fault `{how}`" if how in FAULTS else f"measurement `{how}`"
+        row = [symptom, " → ".join(suspects), kind, what, layer, DIFFERS.get(symptom, "")]
+        lines.append("| " + " | ".join(cell(v) for v in row) + " |")
+    return "\n".join(lines) + "\n"

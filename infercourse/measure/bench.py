@@ -236,7 +236,8 @@ def run(engine, workload, *, pattern: str = "sequential", concurrency: int = 1,
         eng = engine.describe()
     except Exception as e:  # noqa: BLE001 - a describe() failure must not stop the run
         eng = {"engine": getattr(engine, "name", type(engine).__name__), "describe_error": str(e)}
-    model = getattr(engine, "model", None)   # HTTP: asks the server, so a dead one fails here
+    # HTTP: asks the server, so a dead one fails here; MLX: `.model` is the module, its file is `.model_ref`
+    model = getattr(engine, "model_ref", None) or getattr(engine, "model", None)
     model = {"name": model.name, "path": str(model.path), "sha256": model.sha256()} \
         if hasattr(model, "sha256") else model
     load = {"pattern": pattern, "concurrency": concurrency, "rate_rps": rate_rps, "seed": seed,

@@ -272,7 +272,7 @@ def collect_engine(engine: Any, *, prompt: str | None = None, max_tokens: int = 
     ev["runtime"] = {"build_info": f"{desc.get('runtime', '')} {desc.get('version', '')}".strip(),
                      "threads": flags.get("n_threads")}
     ev["model"] = {"model_path": str(path) if path else None,
-                   "exists": Path(path).is_file() if path else None,
+                   "exists": Path(path).exists() if path else None,   # an MLX or HF model is a folder
                    "chat_template": getattr(engine, "_template", None), "n_ctx": flags.get("n_ctx")}
     n = len(engine.tokenize(prompt)) if prompt is not None and hasattr(engine, "tokenize") else None
     ev["context"] = {"n_ctx_slot": flags.get("n_ctx"), "max_tokens": max_tokens, "prompt_tokens": n}
