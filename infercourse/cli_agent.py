@@ -82,8 +82,11 @@ def agent_main(argv: list[str] | None = None) -> int:
     from infercourse.course import results_dir
     from infercourse.ops.agent_lab import EXTEND_CONTEXT, LabSpec, Task, run_lab
     small = dict(system_prompt=SMALL_SYSTEM, tools="Read") if a.small and a.agent == "claude-code" else {}
-    tasks = [Task(f"task {i}", a.agent, t, env=_env(a.env), timeout_s=a.timeout, **small)
-             for i, t in enumerate(a.task)]
+    try:
+        env = _env(a.env)
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    tasks = [Task(f"task {i}", a.agent, t, env=env, timeout_s=a.timeout, **small) for i, t in enumerate(a.task)]
     ctx = a.extend_context or a.ctx
     spec = LabSpec(str(a.out or results_dir("agent")), tasks, ctx=ctx, threads=a.threads,
                    server_args=EXTEND_CONTEXT(ctx) if a.extend_context else [], allow_host_network=a.no_netns)

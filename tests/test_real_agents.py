@@ -375,3 +375,17 @@ def test_doctor_agent_cli_refuses_a_remote_url_before_any_traffic(capsys):
     with pytest.raises(SystemExit) as e:
         main(["doctor", "agent", "http://10.1.2.3:8080", "--agent", "codex"])
     assert e.value.code == 2 and "loopback" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@needs_netns
+def test_agent_run_cli_with_the_stand_in(tmp_path, capsys):
+    from infercourse.cli_agent import agent_main
+    out = tmp_path / "run"
+    assert agent_main(["run", "--agent", "stand-in", "--task", "Say hello.", "--ctx", "1024", "--out", str(out),
+                       "--env", "STANDIN_MAX_TOKENS=4"]) == 0
+    printed = capsys.readouterr().out
+    assert "first call" in printed and f"results: {out}" in printed
+    assert json.loads((out / "manifest.json").read_text())["network"]["namespace"] == "loopback-only"
+    with pytest.raises(SystemExit):
+        agent_main(["run", "--agent", "stand-in", "--task", "x", "--env", "NOEQUALS"])
