@@ -217,3 +217,51 @@ def test_router_replicas_behind_sglang_route_by_model_on_each_replica():
         assert set().union(*loaded) == {"main", "fast"} and all(loaded)   # both replicas served
         pids = [p for s in (g.front, *g.replicas) for p in (s.pid, s.proc.pid)]
     assert all(process_gone(p, 30.0) for p in pids)
+
+
+def test_doctor_layers_cli_passes_the_model_name(monkeypatch, capsys):
+    """`doctor layers URL --model NAME` asks for NAME (a stand-in doctor records its arguments)."""
+    from infercourse.ops import faultlab, layers
+    seen = {}
+
+    class _Report:
+        failed = False
+
+        def __str__(self):
+            return "stand-in report"
+
+    def fake(url, **kw):
+        seen.update(kw, url=url)
+        return _Report()
+
+    monkeypatch.setattr(layers, "doctor_layers", fake)
+    assert faultlab.layers_main(["http://127.0.0.1:9", "--model", "claude-haiku-4-5"]) == 0
+    assert seen["url"] == "http://127.0.0.1:9" and seen["model"] == "claude-haiku-4-5"
+    assert faultlab.layers_main(["http://127.0.0.1:9"]) == 0 and seen["model"] is None
+
+
+def test_load_times_reads_one_row_per_load_from_the_routers_own_log():
+    from infercourse.lessons.model_routing import ask, load_times
+    with lr.LlamaRouter(_presets(), models_max=1, **KW) as r:
+        for m in ("fast", "main", "fast"):       # cold, swap, swap: three loads
+            assert ask(r, m)["status"] == "ok"
+        t = load_times(r.log_path.read_text())
+    assert list(t["model"]) == ["fast", "main", "fast"] and (t["loaded_s"] > 0).all()
+    assert t["port"].nunique() >= 2              # each load a new child
+
+
+def test_sleep_trials_wait_for_sleep_then_wake_the_model():
+    from infercourse.lessons.model_routing import SLEEP_ARMS, sleep_trials
+    res = sleep_trials(_presets(), model="fast", sleep_idle_s=1, repeats=2, **KW)
+    req = res["requests"]
+    assert list(req["arm"]) == [*SLEEP_ARMS, *reversed(SLEEP_ARMS)] and (req["status"] == "ok").all()
+    assert (req.loc[req["arm"] == "after sleep", "found"] == "sleeping").all()   # they waited for the event
+    assert res["rss_asleep_mib"] < res["rss_awake_mib"]                        # sleep freed the weights
+
+
+def test_killed_instance_keeps_the_router_and_the_other_model():
+    from infercourse.lessons.model_routing import killed_instance
+    s = killed_instance(_presets(), model="main", n_after=2, **KW)
+    assert s["killed_pid"] and s["router_up"] and s["kept"] == ["fast"]
+    assert "main" in s["router_said"] and s["next_found"] == "unloaded"
+    assert s["after_ok"] == 2 and s["status_now"] == "loaded"

@@ -13,6 +13,9 @@ notebook's answers:
   kept under a utilisation that leaves room for bursts);
 - `measured_capacity`: the largest session count whose turns meet the TTFT SLO;
 - `replicas_for`: replicas for a team, from one replica's capacity;
+- `pool_capacity`, `team_table`, `pool_text`: the same per model, when every session sends
+  a share of its calls to each model (a main model and a small/fast one) and each model
+  runs in its own pool of replicas;
 - `plot_knee`, `policy_table`: the pictures and the routing comparison;
 - `KillAfter`: the reliability drill: SIGKILL one replica once N turns have finished
   (an event, not a clock), so the drill lands under load on any machine.
@@ -30,8 +33,8 @@ import pandas as pd
 
 from infercourse.ops.supervisor import kill_server
 
-__all__ = ["knee", "predict_capacity", "measured_capacity", "replicas_for", "plot_knee", "policy_table",
-           "KillAfter", "kill_story"]
+__all__ = ["knee", "predict_capacity", "measured_capacity", "replicas_for", "pool_capacity", "team_table",
+           "pool_text", "plot_knee", "policy_table", "KillAfter", "kill_story"]
 
 
 def knee(table: pd.DataFrame, min_hit: float = 0.5) -> dict[str, Any]:
@@ -98,6 +101,60 @@ def measured_capacity(table: pd.DataFrame, min_good: float = 0.9, column: str = 
 def replicas_for(team_size: int, per_replica: float) -> int:
     """Replicas a team needs when one serves `per_replica` sessions (at least one)."""
     return max(1, math.ceil(team_size / per_replica)) if per_replica > 0 else math.inf
+
+
+def pool_capacity(service_s: Mapping[str, float], shares: Mapping[str, float], think_s: float, *,
+                  kv_limit: Mapping[str, float] | None = None, utilisation: float = 0.7) -> pd.DataFrame:
+    """Sessions one replica of each model's pool serves, when each session sends `shares` of
+    its calls to each model.
+
+    A session's cycle is one call and one think: cycle = think + sum_m share_m x service_m.
+    Pool m is busy share_m x service_m of every cycle, for each session, so one replica at
+    `utilisation` serves utilisation x cycle / (share_m x service_m) sessions (the
+    throughput limit), capped by `kv_limit[m]` where given (the sessions whose prefixes
+    stay cached: the main model's long conversations; a small model's one-off calls keep none).
+
+    Args:
+        service_s: model -> seconds one call of it takes with the model resident.
+        shares: model -> share of the calls (normalised).
+        think_s: a session's time between calls (its tools running).
+        kv_limit: model -> sessions its replica keeps cached (missing: no limit).
+        utilisation: the busy share a replica may run at (headroom for bursts).
+    """
+    total = sum(shares.values())
+    if total <= 0 or set(shares) - set(service_s):
+        raise ValueError(f"need a positive share and a service time for every model, got {dict(shares)}, "
+                         f"{dict(service_s)}")
+    share = {m: s / total for m, s in shares.items()}
+    cycle = think_s + sum(share[m] * service_s[m] for m in share)
+    rows = {}
+    for m in share:
+        busy = share[m] * service_s[m]
+        tput = utilisation * cycle / busy if busy > 0 else math.inf
+        kv = float((kv_limit or {}).get(m, math.inf))
+        rows[m] = {"share": share[m], "service_s": service_s[m], "cycle_s": cycle, "throughput_limit": tput,
+                   "kv_limit": kv, "per_replica": min(tput, kv)}
+    return pd.DataFrame(rows).T
+
+
+def team_table(pools: pd.DataFrame, team_sizes) -> pd.DataFrame:
+    """Replicas of each pool (columns) for each team size (rows), from `pool_capacity`."""
+    return pd.DataFrame({m: [replicas_for(n, r["per_replica"]) for n in team_sizes] for m, r in pools.iterrows()},
+                        index=pd.Index(list(team_sizes), name="team size"))
+
+
+def pool_text(pools: pd.DataFrame, team_size: int) -> str:
+    """Which pool needs more replicas per session, and what a team of `team_size` needs."""
+    order = pools.sort_values("per_replica")
+    tight, loose = order.index[0], order.index[-1]
+    why = {m: "its KV limit" if r["kv_limit"] <= r["throughput_limit"] else "its throughput"
+           for m, r in pools.iterrows()}
+    per = ", ".join(f"{m} {r['per_replica']:.3g} ({why[m]})" for m, r in pools.iterrows())
+    need = ", ".join(f"{replicas_for(team_size, r['per_replica'])} of {m}" for m, r in pools.iterrows())
+    head = (f"The **{tight}** pool binds: one replica serves fewer sessions than one of {loose}" if
+            pools.loc[tight, "per_replica"] < pools.loc[loose, "per_replica"] else
+            "Both pools serve as many sessions per replica")
+    return f"{head}. Sessions per replica: {per}. A team of {team_size}: {need}."
 
 
 def plot_knee(tables: Mapping[str, pd.DataFrame], slots: int, slo_ttft_s: float | None = None):

@@ -7,20 +7,26 @@ llama-server's router mode (`servers.llama_router`) serves both behind one URL, 
 or alias, loading each on demand. What it costs depends on how many fit at once:
 
 - `alias_routing`: which names answer, and what an unknown name gets (HTTP 400);
-- `swap_cost`: TTFT of a cold load, a swap and a resident model, and the memory held, at
-  `models_max` 1 (every switch reloads) and 2 (both stay);
-- `idle_sleep_stall`: a model freed after idle seconds pays a reload on its next request
-  (what Ollama's `OLLAMA_KEEP_ALIVE` does after 5 minutes);
-- `mixed_workload`: a mix (80 % main, 20 % fast) at both settings, every metric by model;
+- `swap_trials`: the same alternating requests at `models_max` 2 (both resident) and 1
+  (every switch reloads), in interleaved ABBA blocks with an A/A rerun of the resident
+  arm; the loads as the router's own log times them (`load_times`), and the memory held;
+- `sleep_trials`: a model freed after idle seconds pays a reload on its next request
+  (what Ollama's `OLLAMA_KEEP_ALIVE` does after 5 minutes), against the same model awake;
+- `mixed_trials`: an agent's mix (80 % main, 20 % fast) through `bench` at both settings;
 - `killed_instance`: SIGKILL one model's instance mid-stream: what the request in flight
-  gets, what the router says, and what the next request pays.
+  gets, what the router says, what is kept, and what the next requests pay.
 
-Each function starts its own router (1 thread, small context by default: `router_kw`
-goes to `LlamaRouter`) and stops it, so a notebook cell is one call.
+The `*_text` functions turn a run's numbers into the notebook's sentences, so what a
+sentence says (faster, within noise, which pool binds) comes from the numbers, judged
+against their A/A floor (`measure.noise`). Each measuring function starts its own routers
+(1 thread, small context by default: `router_kw` goes to `LlamaRouter`) and stops them.
 """
 from __future__ import annotations
 
+import importlib.metadata
+import re
 import time
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import pandas as pd
@@ -29,14 +35,25 @@ from infercourse.core import metrics
 from infercourse.core.errors import InferCourseError
 from infercourse.core.trace import record, record_stream
 from infercourse.core.types import Request
+from infercourse.measure import noise
 from infercourse.servers.llama_router import LlamaRouter, course_presets
 
-__all__ = ["ask", "alias_routing", "swap_cost", "idle_sleep_stall", "mixed_workload", "killed_instance",
-           "ROUTER_DEFAULTS"]
+__all__ = ["ask", "alias_routing", "alias_text", "load_times", "swap_trials", "per_trial", "judge",
+           "swap_penalty_s", "swap_text", "read_gb_s", "guess_text", "sleep_trials", "sleep_text",
+           "mixed_trials", "mixed_table", "mixed_text", "service_by_model", "killed_instance",
+           "killed_text", "router_versions", "router_notes", "ROUTER_DEFAULTS", "OBSERVED_ROUTERS", "SWAP_ARMS",
+           "SLEEP_ARMS", "MIX_ARMS"]
 
 ROUTER_DEFAULTS = {"threads": 1, "ctx_size": 1024, "n_parallel": 1}
+SWAP_ARMS = ("resident", "resident A/A", "swap")
+SLEEP_ARMS = ("awake", "awake A/A", "after sleep")
+MIX_ARMS = ("models_max 2", "models_max 2 A/A", "models_max 1")
 _PROMPT = "Name one colour of the sky."
 _MIB = 2 ** 20
+_LAYER = re.compile(r"\(([\w ]+) layer\)")
+_SPAWN = re.compile(r"spawning server instance with name=(\S+) on port (\d+)")
+# a child's own log line, prefixed by its port: "[PORT] M.SS.mmm.uuu ... model loaded"
+_LOADED = re.compile(r"^\[(\d+)\]\s+(\d+)\.(\d+)\.(\d+)\.(\d+)\s.*\bmodel loaded\b")
 
 
 def _router(presets, models_max: int, **router_kw: Any) -> LlamaRouter:
@@ -47,11 +64,13 @@ def _router(presets, models_max: int, **router_kw: Any) -> LlamaRouter:
 def ask(router: LlamaRouter, model: str, *, prompt: str = _PROMPT, max_tokens: int = 8,
         api: str = "anthropic") -> dict[str, Any]:
     """One request to `model` (a name or alias) through the router, timed as bench times it:
-    status, TTFT, end-to-end, output tokens, and the error if any."""
+    status, TTFT, end-to-end, output tokens, and the error and the layer it names, if any."""
     eng = router.engine(model=model, api=api)
     tr = record(eng, Request(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens))
+    layer = _LAYER.search(tr.error or "")
     return {"asked": model, "status": tr.status, "ttft_s": metrics.ttft_s(tr), "e2e_s": metrics.e2e_s(tr),
-            "output_tokens": metrics.output_tokens(tr), "error": (tr.error or "")[:160] or None}
+            "output_tokens": metrics.output_tokens(tr), "error": (tr.error or "")[:160] or None,
+            "layer": layer.group(1) if layer else None}
 
 
 def _loaded(router: LlamaRouter) -> list[str]:
@@ -86,6 +105,34 @@ def alias_routing(router: LlamaRouter | None = None, names: Iterable[str] | None
     return pd.DataFrame(rows).set_index("asked")
 
 
+def alias_text(table: pd.DataFrame) -> str:
+    """Which model each name reached, and what a name no preset has got (and which layer the
+    error names), from `alias_routing`'s table."""
+    lines = []
+    for name, r in table.iterrows():
+        if r["status"] == "ok":
+            lines.append(f"- `{name}` reached **{r['served_by'] or 'no preset (yet it answered)'}**")
+        else:
+            lines.append(f"- `{name}` **failed** at the {r['layer'] or 'unnamed'} layer: {r['error']}")
+    ok = int((table["status"] == "ok").sum())
+    return f"{ok} of {len(table)} names answered.\n" + "\n".join(lines)
+
+
+def load_times(log_text: str) -> pd.DataFrame:
+    """Every model load in a router's log: the model, its child's port, and the child's own
+    clock when it logged "model loaded" (seconds from its start: process start, reading the
+    weights, allocating the KV cache, warm-up)."""
+    port_model, rows = {}, []
+    for line in log_text.splitlines():
+        if s := _SPAWN.search(line):
+            port_model[s.group(2)] = s.group(1)   # ports are reused: the latest spawn owns it
+        elif m := _LOADED.match(line):
+            mi, se, ms, us = (int(g) for g in m.groups()[1:])
+            rows.append({"model": port_model.get(m.group(1)), "port": int(m.group(1)),
+                         "loaded_s": mi * 60 + se + ms / 1e3 + us / 1e6})
+    return pd.DataFrame(rows, columns=["model", "port", "loaded_s"])
+
+
 def _state(router: LlamaRouter, model: str) -> str:
     loaded, name = _loaded(router), router.model_status(model)["name"]
     if name in loaded:
@@ -93,72 +140,227 @@ def _state(router: LlamaRouter, model: str) -> str:
     return "swap" if router.models_max and len(loaded) >= router.models_max else "cold"
 
 
-def swap_cost(presets=None, *, models_max: Sequence[int] = (1, 2),
-              sequence: Sequence[str] = ("fast", "main", "fast", "fast", "main", "main"),
-              **router_kw: Any) -> pd.DataFrame:
-    """The same sequence of requests at each `models_max`: per request, whether its model was
-    cold (nothing to evict), swapped in (evicting another) or resident, its TTFT and
-    end-to-end, and the resident memory (router + children) after it.
+def _warm(routers: Iterable[LlamaRouter], models: Sequence[str], max_tokens: int) -> None:
+    for r in routers:   # both resident at models_max 2; the last model left loaded at 1
+        for m in models:
+            ask(r, m, max_tokens=max_tokens)
 
-    Args:
-        presets: the models (default: course_presets(): main = F16, fast = Q4_K_M).
-        models_max: the settings compared (a fresh router each).
-        sequence: model names or aliases, in order.
+
+def swap_trials(presets=None, *, repeats: int = 4, sequence: Sequence[str] = ("fast", "main"),
+                max_tokens: int = 8, **router_kw: Any) -> dict[str, Any]:
+    """The same alternating `sequence` on two routers at once, in ABBA blocks: models_max 2
+    (arm "resident" and its A/A rerun "resident A/A") and models_max 1 (arm "swap": every
+    switch evicts one model and loads the other).
+
+    Returns {"requests": one row per request (block, arm, model, state before it, TTFT...),
+    "rss_mib": {models_max: resident MiB of router + children at the end}, "held":
+    {models_max: models loaded then}, "loads": the swapping router's loads (`load_times`)}.
     """
-    rows = []
-    for mm in models_max:
-        with _router(presets, mm, **router_kw) as r:
+    with _router(presets, 2, **router_kw) as both, _router(presets, 1, **router_kw) as one:
+        routers = dict(zip(SWAP_ARMS, (both, both, one)))
+        _warm((both, one), sequence, max_tokens)
+        rows = []
+        for block, arm in noise.schedule(SWAP_ARMS, repeats):
+            r = routers[arm]
             for i, m in enumerate(sequence):
                 state = _state(r, m)
-                row = ask(r, m)
-                rows.append({"models_max": mm, "step": i, "model": m, "state": state, **row,
-                             "loaded_after": ",".join(_loaded(r)), "rss_mib": _rss_mib(r)})
-    return pd.DataFrame(rows).drop(columns=["asked"])
+                rows.append({"block": block, "arm": arm, "models_max": r.models_max, "step": i, "model": m,
+                             "state": state, **ask(r, m, max_tokens=max_tokens)})
+        return {"requests": pd.DataFrame(rows), "rss_mib": {2: _rss_mib(both), 1: _rss_mib(one)},
+                "held": {2: _loaded(both), 1: _loaded(one)},
+                "loads": load_times(one.log_path.read_text(errors="replace"))}
 
 
-def idle_sleep_stall(presets=None, *, model: str = "fast", sleep_idle_s: int = 2,
-                     **router_kw: Any) -> dict[str, Any]:
-    """TTFT of a resident model, then of the same model after it fell asleep (the router
-    reports "sleeping" once `sleep_idle_s` idle seconds have passed: we wait for that event,
-    not a clock), and the memory held awake and asleep."""
+def per_trial(requests: pd.DataFrame, metric: str = "ttft_s", q: float = 0.5,
+              arms: Sequence[str] | None = None) -> pd.DataFrame:
+    """One number per trial: the `q` quantile of `metric` over the trial's ok requests. Index
+    block, one column per arm: `arms` (reference, its A/A rerun, the other), else the order
+    they first ran. A trial with no ok request is NaN, and its pair drops out of the test."""
+    ok = requests[requests["status"] == "ok"]
+    wide = ok.groupby(["block", "arm"])[metric].quantile(q).unstack("arm")
+    cols = list(arms) if arms is not None else list(dict.fromkeys(requests["arm"]))
+    return wide.reindex(index=sorted(requests["block"].unique()), columns=cols)
+
+
+def judge(wide: pd.DataFrame) -> tuple[noise.NoiseFloor, noise.Comparison]:
+    """The A/A floor of the first arm (its rerun is the second column) and the verdict on the
+    third arm against the first (a paired permutation test: `noise.compare`)."""
+    a, a2, b = wide.columns[:3]
+    floor = noise.noise_floor(wide[a], wide[a2])
+    return floor, noise.compare(wide[a], wide[b], floor, labels=(a, b))
+
+
+def _verdict_lines(wide: pd.DataFrame, what: str, a_wins: str, b_wins: str, neither: str) -> list[str]:
+    """A headline chosen by the verdict (each template may use {a} {b}: the arms' median
+    trial values in s, {what}), then the floor and the test behind it."""
+    floor, cmp = judge(wide)
+    a, _, b = wide.columns[:3]
+    ma, mb = float(wide[a].median()), float(wide[b].median())
+    head = {f"{a} faster": a_wins, f"{b} faster": b_wins}.get(cmp.verdict, neither)
+    return [head.format(a=f"{ma:.3g} s", b=f"{mb:.3g} s", what=what), f"  - {floor.text()}",
+            f"  - {cmp.text}"]
+
+
+def swap_penalty_s(requests: pd.DataFrame) -> float:
+    """Median TTFT of the requests that swapped their model in, minus that of resident ones."""
+    ok = requests[requests["status"] == "ok"]
+    by_state = ok.groupby("state")["ttft_s"].median()
+    return float(by_state.get("swap", float("nan")) - by_state.get("resident", float("nan")))
+
+
+def swap_text(result: Mapping[str, Any]) -> str:
+    """What `swap_trials` showed: the verdict on swapping against both resident, the loads
+    the router's log timed, and the memory keeping both costs."""
+    req, rss, held = result["requests"], result["rss_mib"], result["held"]
+    lines = _verdict_lines(
+        per_trial(req, arms=SWAP_ARMS), "median TTFT per trial",
+        "- **Swapping cost time**: with models_max 1 every switch reloaded: {what} {b}, against {a} with "
+        "both resident.",
+        "- **The swap arm came out faster** ({what} {b} against {a} resident): a reload cannot speed a request up, "
+        "so something else moved between trials; read the contention line.",
+        "- **The swap penalty did not clear the A/A floor** here ({what} {b} swapping, {a} resident).")
+    loads = result["loads"].groupby("model")["loaded_s"].agg(["median", "size"])
+    if len(loads):
+        lines.append("- The router's log timed each load (child start to \"model loaded\"): " + ", ".join(
+            f"{m} {r['median']:.3g} s (median of {int(r['size'])})" for m, r in loads.iterrows()))
+    extra = rss[2] - rss[1]
+    keep = (f"keeping the second model resident costs {extra:.0f} MiB" if extra > 0
+            else f"keeping both cost no extra resident memory that was measured ({extra:+.0f} MiB)")
+    lines.append(f"- Resident memory: {rss[2]:.0f} MiB with {', '.join(held[2]) or 'nothing'} loaded "
+                 f"(models_max 2), {rss[1]:.0f} MiB with {', '.join(held[1]) or 'nothing'} (models_max 1): {keep}.")
+    return "\n".join(lines)
+
+
+def read_gb_s(path: str | Path, chunk: int = 16 << 20) -> float:
+    """GB/s reading `path` twice and timing the second read (the file is then in the page
+    cache, as it is when a router reloads a model it evicted a moment ago)."""
+    buf = memoryview(bytearray(chunk))
+    for _ in range(2):   # the first read fills the page cache; the second is timed
+        t0, n = time.perf_counter(), 0
+        with open(path, "rb", buffering=0) as f:
+            while k := f.readinto(buf):
+                n += k
+    return n / (time.perf_counter() - t0) / 1e9
+
+
+def guess_text(guess_s: float | None, floor_s: float, measured_s: float) -> str:
+    """Score the learner's swap-penalty guess against the measured penalty (`swap_penalty_s`)
+    and the bandwidth floor (file size / read bandwidth)."""
+    if guess_s is None:
+        return "No guess recorded: set `MY_GUESS_SWAP_S` in the Predict cell, rerun, and compare."
+    if not measured_s > 0:
+        return (f"The measured swap penalty is {measured_s:.3g} s, not a positive cost: there is no penalty "
+                "to score your guess against here (read the verdict above).")
+    r = guess_s / measured_s
+    how = ("close (within x1.5)" if max(r, 1 / r) <= 1.5 else
+           f"{'too high' if r > 1 else 'too low'} by x{max(r, 1 / r):.2g}")
+    rest = (f"the load took {measured_s / floor_s:.2g}x what reading the file costs: the rest is starting a "
+            "process, parsing the file, allocating the KV cache and warming up" if measured_s > floor_s else
+            "the load beat a full read of the file (it is mmapped: a page is read only when touched)")
+    return (f"Your guess {guess_s:.3g} s; bandwidth floor {floor_s:.3g} s; measured swap penalty "
+            f"{measured_s:.3g} s. Your guess was {how}; {rest}.")
+
+
+def sleep_trials(presets=None, *, model: str = "fast", sleep_idle_s: int = 1, repeats: int = 4,
+                 max_tokens: int = 8, **router_kw: Any) -> dict[str, Any]:
+    """ABBA blocks of a request to `model` awake, its A/A rerun, and one after the model fell
+    asleep: we wait until the router reports "sleeping" (an event, not a clock).
+
+    Returns {"requests": one row per request with the status it found, "rss_awake_mib",
+    "rss_asleep_mib", "sleep_idle_s"}.
+    """
+    rows, rss = [], {}
     with _router(presets, 1, sleep_idle_s=sleep_idle_s, **router_kw) as r:
-        ask(r, model)                      # load it
-        awake = ask(r, model)              # resident
-        rss_awake = _rss_mib(r)
-        t0 = time.perf_counter()
-        r.wait_status(model, ("sleeping",), timeout_s=sleep_idle_s * 10 + 60)
-        fell_asleep_s = time.perf_counter() - t0
-        rss_asleep = _rss_mib(r)
-        woke = ask(r, model)
-        return {"model": model, "sleep_idle_s": sleep_idle_s, "resident_ttft_s": awake["ttft_s"],
-                "after_sleep_ttft_s": woke["ttft_s"], "stall_s": woke["ttft_s"] - awake["ttft_s"],
-                "asleep_after_s": fell_asleep_s, "rss_awake_mib": rss_awake, "rss_asleep_mib": rss_asleep,
-                "status_after": r.model_status(model)["status"]}
+        ask(r, model, max_tokens=max_tokens)   # load it
+        for block, arm in noise.schedule(SLEEP_ARMS, repeats):
+            if arm == "after sleep":
+                r.wait_status(model, ("sleeping",), timeout_s=sleep_idle_s * 10 + 60)
+            key = "asleep" if arm == "after sleep" else "awake"
+            rss.setdefault(key, _rss_mib(r))
+            found = r.model_status(model)["status"]
+            rows.append({"block": block, "arm": arm, "found": found, **ask(r, model, max_tokens=max_tokens)})
+    return {"requests": pd.DataFrame(rows), "rss_awake_mib": rss["awake"], "rss_asleep_mib": rss["asleep"],
+            "sleep_idle_s": sleep_idle_s}
 
 
-def mixed_workload(presets=None, *, shares: Mapping[str, float] | None = None,
-                   models_max: Sequence[int] = (1, 2), n: int = 20, concurrency: int = 1,
-                   max_tokens: int = 16, seed: int = 0, **router_kw: Any) -> pd.DataFrame:
-    """A mix of models (default 80 % main, 20 % fast) through `bench.run` at each
-    `models_max`: one row per (models_max, model), plus "all", with request counts and
-    TTFT / e2e p50 and p95. At models_max 1 every switch in the mix is a swap."""
+def sleep_text(result: Mapping[str, Any]) -> str:
+    """What `sleep_trials` showed: the stall after a break against the same model awake, and
+    the memory that keeping it awake holds."""
+    req, s = result["requests"], result["sleep_idle_s"]
+    lines = _verdict_lines(
+        per_trial(req, arms=SLEEP_ARMS), "median TTFT",
+        "- **A user back from a break waits**: after " + f"{s} idle s" + " the {what} was {b}, against {a} awake.",
+        "- **The request after sleep came out faster** ({what} {b} against {a} awake): waking cannot speed a "
+        "request up, so something else moved; read the contention line.",
+        "- **The wake-up stall did not clear the A/A floor** here ({what} {b} after sleep, {a} awake).")
+    dozed = int(((req["arm"] != "after sleep") & (req["found"] != "loaded")).sum())
+    if dozed:
+        lines.append(f"- {dozed} 'awake' request(s) found the model {', '.join(set(req['found']) - {'loaded'})}: "
+                     "the machine was slow enough between requests for the idle timer to fire.")
+    freed = result["rss_awake_mib"] - result["rss_asleep_mib"]
+    lines.append(f"- Awake {result['rss_awake_mib']:.0f} MiB, asleep {result['rss_asleep_mib']:.0f} MiB: " + (
+        f"staying awake (no `--sleep-idle-seconds`, or a request every < {s} s) holds {freed:.0f} MiB that sleep frees."
+        if freed > 0 else
+        f"sleep freed no resident memory measured here ({freed:+.0f} MiB), so staying awake costs none."))
+    return "\n".join(lines)
+
+
+def mixed_trials(presets=None, *, shares: Mapping[str, float] | None = None, repeats: int = 4, n: int = 10,
+                 max_tokens: int = 8, concurrency: int = 1, seed: int = 0, out_dir: str | Path | None = None,
+                 **router_kw: Any) -> pd.DataFrame:
+    """An agent's mix of models (default 80 % main, 20 % fast) through `bench.run`, in ABBA
+    blocks: models_max 2, its A/A rerun, and models_max 1 (each switch in the mix a swap).
+    Block i sends the same assignment of models to every arm (bench salts each run's
+    prompts, so no trial hits another's prefix). One row per request, with block and arm."""
     from infercourse.measure import bench
-    from infercourse.measure.model_mix import by_model, mix
+    from infercourse.measure.model_mix import mix
     shares = shares or {"main": 0.8, "fast": 0.2}
-    reqs = mix([Request(messages=[{"role": "user", "content": f"Question {i}: {_PROMPT}"}], max_tokens=max_tokens)
-                for i in range(n)], shares, seed=seed)
-    out = []
-    for mm in models_max:
-        with _router(presets, mm, **router_kw) as r:
+    frames = []
+    with _router(presets, 2, **router_kw) as both, _router(presets, 1, **router_kw) as one:
+        routers = dict(zip(MIX_ARMS, (both, both, one)))
+        _warm((both, one), list(shares), max_tokens)
+        for block, arm in noise.schedule(MIX_ARMS, repeats):
+            r, label = routers[arm], f"mix-{arm.replace(' ', '-').replace('/', '')}-b{block}"
+            reqs = mix([Request(messages=[{"role": "user", "content": f"Question {i}: {_PROMPT}"}],
+                                max_tokens=max_tokens) for i in range(n)], shares, seed=seed + block)
             res = bench.run(r.engine(), reqs, pattern="concurrency" if concurrency > 1 else "sequential",
-                            concurrency=concurrency, warmup=0, progress=False, seed=seed,
-                            label=f"mix-models-max-{mm}", conditions={"router": r.describe()})
-        cols = ["n_ok", "n_total", "ttft_s_p50", "ttft_s_p95", "e2e_s_p50", "e2e_s_p95"]
-        t = by_model(res.df, ("ttft_s", "e2e_s"), ("p50", "p95"))[cols]
-        whole = by_model(res.df.drop(columns=["model"]), ("ttft_s", "e2e_s"), ("p50", "p95"))[cols]
-        t.loc["all"] = whole.iloc[0]
-        out.append(t.assign(models_max=mm, run_dir=str(res.dir)).reset_index())
+                            concurrency=concurrency, warmup=0, progress=False, seed=seed, label=label,
+                            out_dir=Path(out_dir) / label if out_dir else None, conditions={"router": r.describe()})
+            frames.append(res.df.assign(block=block, arm=arm, models_max=r.models_max))
+    return pd.concat(frames, ignore_index=True)
+
+
+def mixed_table(df: pd.DataFrame) -> pd.DataFrame:
+    """TTFT p50 / p95 by model (and "all") at each models_max, pooled over its trials (the
+    A/A rerun left out so both settings count the same requests)."""
+    from infercourse.measure.model_mix import by_model
+    cols, out = ["n_ok", "n_total", "ttft_s_p50", "ttft_s_p95"], []
+    for arm in (MIX_ARMS[0], MIX_ARMS[2]):
+        g = df[df["arm"] == arm]
+        t = by_model(g, ("ttft_s",), ("p50", "p95"))[cols]
+        t.loc["all"] = by_model(g.drop(columns=["model"]), ("ttft_s",), ("p50", "p95"))[cols].iloc[0]
+        out.append(t.assign(models_max=int(g["models_max"].iloc[0])).reset_index())
     return pd.concat(out, ignore_index=True).set_index(["models_max", "model"])
+
+
+def mixed_text(df: pd.DataFrame) -> str:
+    """The mix's TTFT p50 and p95 at models_max 1 against 2, each judged against its A/A floor."""
+    lines = []
+    for q, name in ((0.5, "TTFT p50"), (0.95, "TTFT p95")):
+        lines += _verdict_lines(
+            per_trial(df, "ttft_s", q, MIX_ARMS), f"the mix's {name} (median over trials)",
+            "- **Both resident beat swapping** on {what}: {a} at models_max 2, {b} at models_max 1.",
+            "- **Swapping came out faster** on {what} ({b} against {a}): a reload cannot speed a request up; "
+            "read the contention line.",
+            "- **No difference beyond the A/A floor** on {what}: {a} at models_max 2, {b} at models_max 1.")
+    return "\n".join(lines)
+
+
+def service_by_model(df: pd.DataFrame, arm: str = MIX_ARMS[0]) -> dict[str, float]:
+    """Mean end-to-end seconds of each model's ok requests in one arm of `mixed_trials`
+    (default both resident: a call's service time with no reload in it)."""
+    ok = df[(df["arm"] == arm) & (df["status"] == "ok")]
+    return {str(m): float(v) for m, v in ok.groupby("model")["e2e_s"].mean().items()}
 
 
 def _kill_after_first_chunk(stream: Iterator, router: LlamaRouter, model: str, box: dict) -> Iterator:
@@ -169,12 +371,15 @@ def _kill_after_first_chunk(stream: Iterator, router: LlamaRouter, model: str, b
 
 
 def killed_instance(presets=None, *, model: str = "main", n_after: int = 3, **router_kw: Any) -> dict[str, Any]:
-    """SIGKILL `model`'s instance while it streams an answer: what that request got, what
-    the router reports (`check()`), whether it stayed up, and what the next requests pay
-    (the first reloads the model, the rest find it resident)."""
-    with _router(presets, 1, **router_kw) as r:
-        ask(r, model)
+    """SIGKILL `model`'s instance while it streams an answer, with every model loaded
+    (models_max = their count): what that request got, what the router reports (`check()`),
+    whether it and the other instances stayed up, and what the next requests to `model` found."""
+    presets = presets if presets is not None else course_presets()
+    with _router(presets, len(presets), **router_kw) as r:
+        for p in r.presets:
+            ask(r, p.name)
         resident = ask(r, model)
+        pids = {m["name"]: m["pid"] for m in r.models() if m["pid"]}
         box: dict[str, Any] = {}
         eng = r.engine(model=model, api="anthropic")
         req = Request(messages=[{"role": "user", "content": "Write a long story about the sea."}], max_tokens=256)
@@ -184,12 +389,63 @@ def killed_instance(presets=None, *, model: str = "main", n_after: int = 3, **ro
             r.check()
             said = None
         except InferCourseError as e:
-            said = e.message
+            said = e.message.split(". Last lines")[0]
+        now = {m["name"]: m for m in r.models()}
+        name = r.model_status(model)["name"]
+        kept = [n for n, pid in pids.items() if n != name and now[n]["pid"] == pid]
+        found = now[name]["status"]
         after = [ask(r, model) for _ in range(n_after)]
         return {"model": model, "killed_pid": box.get("pid"), "in_flight_status": tr.status,
                 "in_flight_tokens": metrics.output_tokens(tr), "in_flight_error": (tr.error or "")[:200] or None,
-                "router_said": said, "router_up": r.running,
-                "resident_ttft_s": resident["ttft_s"], "reload_ttft_s": after[0]["ttft_s"],
-                "reload_cost_s": after[0]["ttft_s"] - resident["ttft_s"],
-                "after_ttft_s": [a["ttft_s"] for a in after], "after_ok": sum(a["status"] == "ok" for a in after),
-                "status_now": r.model_status(model)["status"]}
+                "router_said": said, "router_up": r.running, "kept": kept, "next_found": found,
+                "resident_ttft_s": resident["ttft_s"], "after_ttft_s": [a["ttft_s"] for a in after],
+                "after_ok": sum(a["status"] == "ok" for a in after), "status_now": r.model_status(model)["status"]}
+
+
+def killed_text(s: Mapping[str, Any]) -> str:
+    """What `killed_instance` showed: the client's view, the router's, what was kept, and
+    what the next requests found."""
+    err = f" ({s['in_flight_error']})" if s["in_flight_error"] else ""
+    ttfts = ", ".join(f"{t:.3g} s" for t in s["after_ttft_s"] if t == t)
+    return "\n".join([
+        f"- The client: the request in flight ended **{s['in_flight_status']}** after "
+        f"{s['in_flight_tokens']} tokens{err}.",
+        "- The router " + ("**stayed up**" if s["router_up"] else "**went down with its child**") + "; its check "
+        + (f"said: {s['router_said']}" if s["router_said"] else "named no dead instance") + ".",
+        "- Kept: " + (f"{', '.join(s['kept'])} went on in the same process" if s["kept"] else
+                      "no other instance survived in its process") + ".",
+        f"- Next: {s['after_ok']} of {len(s['after_ttft_s'])} requests to {s['model']} were ok; the first found it "
+        f"**{s['next_found']}**" + (" and started a fresh instance" if s["next_found"] != "loaded" else "")
+        + f" (TTFTs {ttfts or 'none'}; resident before the kill {s['resident_ttft_s']:.3g} s)."])
+
+
+# What the course observed of the two Rust routers on PyPI, and with which versions.
+OBSERVED_ROUTERS = {
+    "sglang-router": ("0.3.2", "its multi-model gateway (`--enable-igw`) did not start offline (it downloads "
+                      "a tokenizer vocabulary at start-up and panics without it); in its regular mode it "
+                      "registered llama-server workers with model \"unknown\" and did not route by name"),
+    "vllm-router": ("0.1.17", "it did not route by model name: two stand-in workers serving \"A\" and \"B\" "
+                    "got requests for A and B alternately under round-robin"),
+}
+
+
+def router_versions() -> dict[str, str | None]:
+    """The installed version of each router in OBSERVED_ROUTERS (None: not installed)."""
+    out: dict[str, str | None] = {}
+    for pkg in OBSERVED_ROUTERS:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def router_notes(installed: Mapping[str, str | None]) -> str:
+    """Each observation labelled with the version it was made on and the one installed here."""
+    lines = []
+    for pkg, (seen, what) in OBSERVED_ROUTERS.items():
+        have = installed.get(pkg)
+        here = ("the version installed here" if have == seen else
+                f"installed here: {have}, so it may no longer hold: try it" if have else "not installed here")
+        lines.append(f"- **{pkg} {seen}** ({here}): {what}.")
+    return "\n".join(lines)

@@ -16,7 +16,8 @@ def layers_main(argv: list[str] | None = None) -> int:
         "print ok/warn/fail per layer with its evidence, stop at the first failing layer, say what to check next."))
     p.add_argument("url", nargs="?", help="server root, e.g. http://127.0.0.1:8080 (omit with --engine)")
     p.add_argument("--engine", choices=["llamacpp"], help="check an in-process engine instead of a URL")
-    p.add_argument("--model", help="--engine: a .gguf path (default: the embedded model)")
+    p.add_argument("--model", help="with a URL: the model name to ask for (a router serves several: its name or "
+                                   "alias); with --engine: a .gguf path (default: the embedded model)")
     p.add_argument("--pid", type=int, help="the server's process id (default: whoever listens on the port)")
     p.add_argument("--log", help="the server's log file (its tail names the cause when it died)")
     p.add_argument("--prompt", help="a prompt to check against the context window (text, or @file)")
@@ -39,7 +40,7 @@ def layers_main(argv: list[str] | None = None) -> int:
         report = doctor_engine(LlamaCppEngine(a.model, n_threads=1), prompt=prompt, max_tokens=a.max_tokens)
     else:
         report = doctor_layers(a.url, pid=a.pid, log_path=a.log, prompt=prompt, max_tokens=a.max_tokens,
-                               timeout_s=a.timeout)
+                               timeout_s=a.timeout, model=a.model)
         if a.api == "anthropic":   # ops.anthropic_probe: the coding-agent route
             from infercourse.ops.anthropic_probe import with_anthropic
             report = with_anthropic(report, a.url, timeout_s=max(a.timeout, 30.0))
