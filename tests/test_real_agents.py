@@ -214,8 +214,10 @@ def test_cold_warm_sentence_flips_with_the_aa_spread():
 def test_header_sentence_flips():
     on = dict(evaluated_tokens=900, prompt_tokens=1000, first_diff="system 0")
     off = dict(evaluated_tokens=20, prompt_tokens=1000, first_diff="message 0 (user)")
-    assert ": more with the header on" in ra.header_sentence(_tab(on=on, off=off), "on", "off")
-    assert ": fewer with the header on" in ra.header_sentence(_tab(on=off, off=on), "on", "off")
+    assert "More with the header on" in ra.header_sentence(_tab(on=on, off=off), "on", "off")
+    assert "Fewer with the header on" in ra.header_sentence(_tab(on=off, off=on), "on", "off")
+    unknown = dict(off, prompt_tokens=float("nan"))
+    assert "gave no prompt size" in ra.header_sentence(_tab(on=on, off=unknown), "on", "off")
 
 
 def test_compaction_sentence_sees_a_shrinking_prompt_or_none():

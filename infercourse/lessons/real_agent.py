@@ -171,15 +171,18 @@ def cold_warm_sentence(tab: pd.DataFrame, cold: str, warm: str, again: str) -> s
 
 
 def header_sentence(tab: pd.DataFrame, on: str, off: str) -> str:
-    """Re-prefill of a second task with the header on against with it off."""
+    """Re-prefill of a second task with the header on against with it off (first calls)."""
     a, b = tab.loc[on], tab.loc[off]
-    share = lambda r: r["evaluated_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else float("nan")  # noqa: E731
+
+    def of(r) -> str:
+        if pd.isna(r["prompt_tokens"]):   # a usage block without input tokens: said, not guessed
+            return f"{r['evaluated_tokens']:.0f} prompt tokens (the server's usage gave no prompt size)"
+        return (f"{r['evaluated_tokens']:.0f} of its {r['prompt_tokens']:.0f} prompt tokens "
+                f"({r['evaluated_tokens'] / r['prompt_tokens']:.0%})")
     more = "more" if a["evaluated_tokens"] > b["evaluated_tokens"] else "fewer"
-    return (f"A new task with the header on evaluated {a['evaluated_tokens']:.0f} of its {a['prompt_tokens']:.0f} "
-            f"prompt tokens ({share(a):.0%}; first difference: {a['first_diff']}); with "
-            f"CLAUDE_CODE_ATTRIBUTION_HEADER=0 a new task evaluated {b['evaluated_tokens']:.0f} of "
-            f"{b['prompt_tokens']:.0f} ({share(b):.0%}; first difference: {b['first_diff']}): {more} with the "
-            "header on.")
+    return (f"A new task with the header on evaluated {of(a)}; first difference: {a['first_diff']}. With "
+            f"CLAUDE_CODE_ATTRIBUTION_HEADER=0 a new task evaluated {of(b)}; first difference: "
+            f"{b['first_diff']}. {more.capitalize()} with the header on.")
 
 
 def clip_view(out: str | Path) -> pd.DataFrame:
