@@ -40,7 +40,7 @@ from infercourse.core.trace import RequestTrace
 from infercourse.ops.probes import parse_metrics
 from infercourse.servers.process import HOST
 
-__all__ = ["RecordingProxy", "SSEWatcher", "api_of", "EVALUATED"]
+__all__ = ["RecordingProxy", "SSEWatcher", "api_of", "evaluated_count", "EVALUATED"]
 
 EVALUATED = "llamacpp:prompt_tokens_total"   # llama-server: prompt tokens it evaluated (cache hits excluded)
 _HOP = {"host", "connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection", "te",
@@ -175,6 +175,21 @@ def _error_text(doc: Any) -> str:
     return str(err)[:500]
 
 
+def evaluated_count(url: str, client: httpx.Client | None = None, errors: list[str] | None = None) -> float | None:
+    """llama-server's counter of prompt tokens it evaluated (`/metrics`); None where it has
+    none or did not answer (why goes to `errors`). llama-server answers /metrics from its main
+    loop, between batches, so the wait may be long: 60 s."""
+    try:
+        r = (client or httpx).get(url.rstrip("/") + "/metrics", timeout=60)
+        if r.status_code != 200:
+            (errors if errors is not None else []).append(f"HTTP {r.status_code}")
+            return None
+        return parse_metrics(r.text).get(EVALUATED)
+    except (httpx.HTTPError, ValueError) as e:
+        (errors if errors is not None else []).append(f"{type(e).__name__}: {e}")
+        return None
+
+
 class RecordingProxy:
     """A pass-through proxy on 127.0.0.1 in front of a loopback server, recording each call.
 
@@ -242,17 +257,7 @@ class RecordingProxy:
         self.stop()
 
     def _evaluated(self) -> float | None:
-        """The server's evaluated-prompt counter; None where it has none (or did not answer:
-        llama-server answers /metrics from its main loop, between batches, so a long one waits)."""
-        try:
-            r = self._client.get(self.upstream + "/metrics", timeout=60)
-            if r.status_code != 200:
-                self.metrics_errors.append(f"HTTP {r.status_code}")
-                return None
-            return parse_metrics(r.text).get(EVALUATED)
-        except (httpx.HTTPError, ValueError) as e:
-            self.metrics_errors.append(f"{type(e).__name__}: {e}")
-            return None
+        return evaluated_count(self.upstream, self._client, self.metrics_errors)
 
     def _relay(self, h: BaseHTTPRequestHandler) -> None:
         n = int(h.headers.get("content-length") or 0)

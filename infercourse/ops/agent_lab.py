@@ -183,16 +183,6 @@ def anatomy(out: str | Path) -> list[dict[str, Any]]:
 
 
 # -- the child, inside the namespace --------------------------------------------------------
-def _metric(url: str) -> float | None:
-    from infercourse.ops.agent_capture import EVALUATED
-    from infercourse.ops.probes import parse_metrics
-    import httpx
-    try:
-        return parse_metrics(httpx.get(url + "/metrics", timeout=5).text).get(EVALUATED)
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
 def _launch(task: Task, i: int, out: Path, proxy_url: str, served: str) -> tuple[list[str], dict, Path]:
     from infercourse.ops import agents
     # one user, one project: every task of a lab shares a HOME and a working folder, as a
@@ -330,18 +320,18 @@ def child_main(spec_path: str) -> int:
         netns.bring_up_loopback()
         netns.assert_only_loopback()
     from infercourse.measure.results import RunWriter
-    from infercourse.ops.agent_capture import RecordingProxy
+    from infercourse.ops.agent_capture import RecordingProxy, evaluated_count
     with _server(spec) as srv, RunWriter(out, _manifest(spec, srv, isolated)) as writer, \
             RecordingProxy(srv.url, on_call=writer.write, bodies_dir=out / "bodies") as proxy:
         print(f"server {srv.url} (log {srv.log_path}); proxy {proxy.url}", flush=True)
         for i, task in enumerate(spec.tasks):
             argv, env, work = _launch(task, i, out, proxy.url, spec.served_name)
             proxy.tags = {"task": task.label, "agent": task.agent}
-            n0, before, t0 = len(proxy.traces), _metric(srv.url), time.perf_counter()
+            n0, before, t0 = len(proxy.traces), evaluated_count(srv.url), time.perf_counter()
             (out / "agents").mkdir(exist_ok=True)
             rc, stdout, stderr = _run_agent(argv, env, work, task.timeout_s, out / "agents" / f"{i:02d}")
             wall = time.perf_counter() - t0
-            after = _metric(srv.url)
+            after = evaluated_count(srv.url)
             calls = proxy.traces[n0:]
             row = {"task": task.label, "agent": task.agent, "exit": rc, "wall_s": wall, "calls": len(calls),
                    "failed_calls": sum(c.status != "ok" for c in calls),
