@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from infercourse.ops import agents, netns
+from infercourse.ops.agent_capture import GENERATING_APIS
 from infercourse.ops.agent_lab import EXTEND_CONTEXT, LabSpec, Task, calls_table, run_lab, tasks_table
 
 __all__ = ["SIZES", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
@@ -143,7 +144,7 @@ def evaluated_by_task(out: str | Path) -> pd.DataFrame:
     whose answer was cut at its max_tokens sends more calls to continue it: the first call is
     the one to compare across tasks, the totals say what the task cost."""
     calls, tasks = calls_table(out), tasks_table(out)
-    gen = calls[calls["api"].isin(["anthropic", "openai-responses", "openai-chat"])]
+    gen = calls[calls["api"].isin(GENERATING_APIS)]
     rows = []
     for _, t in tasks.iterrows():
         c = gen[gen["task"] == t["task"]]
@@ -215,7 +216,7 @@ def amplification(out: str | Path) -> pd.DataFrame:
     tokens, what the server evaluated over those copies (its /metrics counter, call by call),
     and their ratio, the retry amplification (1: each prompt token evaluated once)."""
     calls = calls_table(out)
-    gen = calls[calls["api"].isin(["anthropic", "openai-responses", "openai-chat"])]
+    gen = calls[calls["api"].isin(GENERATING_APIS)]
     rows = []
     for task, c in gen.groupby("task", sort=False):
         n = 1

@@ -40,7 +40,8 @@ from infercourse.core.trace import RequestTrace
 from infercourse.ops.probes import parse_metrics
 from infercourse.servers.process import HOST
 
-__all__ = ["RecordingProxy", "SSEWatcher", "api_of", "evaluated_count", "EVALUATED"]
+__all__ = ["RecordingProxy", "SSEWatcher", "api_of", "evaluated_count", "usage_tokens", "GENERATING_APIS",
+           "EVALUATED"]
 
 EVALUATED = "llamacpp:prompt_tokens_total"   # llama-server: prompt tokens it evaluated (cache hits excluded)
 _HOP = {"host", "connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection", "te",
@@ -152,20 +153,28 @@ class SSEWatcher:
             self.usage.update({k: v for k, v in u.items() if v is not None})
 
     def tokens(self) -> dict[str, int | None]:
-        """prompt (all of it), cached and output tokens, whichever API's names the server used."""
-        u = self.usage
-        cached = u.get("cache_read_input_tokens")
-        if cached is None:
-            cached = (u.get("input_tokens_details") or u.get("prompt_tokens_details") or {}).get("cached_tokens")
-        if "prompt_tokens" in u:
-            prompt = u["prompt_tokens"]
-        elif "cache_read_input_tokens" in u:   # Anthropic: input_tokens excludes the cache reads
-            prompt = u.get("input_tokens", 0) + u.get("cache_read_input_tokens", 0) + \
-                u.get("cache_creation_input_tokens", 0)
-        else:
-            prompt = u.get("input_tokens")
-        return {"prompt_tokens": prompt, "cached_tokens": cached,
-                "output_tokens": u.get("output_tokens", u.get("completion_tokens"))}
+        return usage_tokens(self.usage)
+
+
+def usage_tokens(u: dict[str, Any]) -> dict[str, int | None]:
+    """prompt (all of it), cached and output tokens from a usage block, whichever API's names
+    the server used (Anthropic, OpenAI Responses, OpenAI chat)."""
+    cached = u.get("cache_read_input_tokens")
+    if cached is None:
+        cached = (u.get("input_tokens_details") or u.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if "prompt_tokens" in u:
+        prompt = u["prompt_tokens"]
+    elif "cache_read_input_tokens" in u:   # Anthropic: input_tokens excludes the cache reads
+        prompt = u.get("input_tokens", 0) + u.get("cache_read_input_tokens", 0) + \
+            u.get("cache_creation_input_tokens", 0)
+    else:
+        prompt = u.get("input_tokens")
+    return {"prompt_tokens": prompt, "cached_tokens": cached,
+            "output_tokens": u.get("output_tokens", u.get("completion_tokens"))}
+
+
+# the APIs whose calls generate (and carry a prompt worth dissecting)
+GENERATING_APIS = ("anthropic", "openai-responses", "openai-chat")
 
 
 def _error_text(doc: Any) -> str:
@@ -264,7 +273,7 @@ class RecordingProxy:
         body = h.rfile.read(n) if n else b""
         t0 = time.perf_counter()
         api = api_of(h.path)
-        generating = h.command == "POST" and api in ("anthropic", "openai-responses", "openai-chat")
+        generating = h.command == "POST" and api in GENERATING_APIS
         with self._lock:
             rid, self._n = self._n, self._n + 1
             self._in_flight += 1

@@ -107,11 +107,10 @@ def _messages(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict
 
 
 def _usage(doc: dict[str, Any]) -> tuple[int | None, int | None]:
-    u = doc.get("usage") or {}
-    if "input_tokens" not in u:
-        return None, None
-    cached = u.get("cache_read_input_tokens") or 0
-    return u["input_tokens"] + cached + (u.get("cache_creation_input_tokens") or 0), cached
+    """(prompt, cached) of an Anthropic answer; no cache field reads as 0 cached."""
+    from infercourse.ops.agent_capture import usage_tokens
+    t = usage_tokens(doc.get("usage") or {})
+    return t["prompt_tokens"], (t["cached_tokens"] or 0) if t["prompt_tokens"] is not None else None
 
 
 def _header_body(model: str, suffix: str, static: str) -> dict[str, Any]:

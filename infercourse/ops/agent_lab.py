@@ -291,7 +291,7 @@ def _anatomy(out: Path, url: str) -> None:
     """Per call: tokens per part and the first part that differs from the previous call of
     the same API (across tasks too: one server, one cache). Numbers only."""
     from infercourse.ops.agent_anatomy import first_difference, parts, tokenizer_of
-    from infercourse.ops.agent_capture import api_of
+    from infercourse.ops.agent_capture import GENERATING_APIS, api_of
     count = tokenizer_of(url)
     prev: dict[str, list] = {}
     with open(out / "anatomy.jsonl", "w") as f:
@@ -299,7 +299,7 @@ def _anatomy(out: Path, url: str) -> None:
             row = json.loads(line)
             tags = row.get("tags", {})
             api, body_path = api_of(tags.get("path", "")), out / "bodies" / f"{row['request_id']:03d}.json"
-            if api not in ("anthropic", "openai-responses", "openai-chat") or not body_path.exists():
+            if api not in GENERATING_APIS or not body_path.exists():
                 continue
             body = json.loads(body_path.read_text())
             ps = parts(body, api)
