@@ -55,14 +55,14 @@ $(STAMP): pyproject.toml tools/build_llamacpp.py
 	$(BIN)/python -m pip install -q -e ".[all]"
 	@echo "== the embedded model's derived formats ($$(date +%T))"
 	$(BIN)/python -m infercourse.models.formats
-	@echo "== the real coding agents, pinned, from npm (notebook 18b; $$(date +%T))"
-	$(BIN)/python -m infercourse.ops.agents install || echo "   agents not installed: notebook 18b will skip (make agents to retry)"
+	@echo "== the real coding agents, pinned, from npm (notebook 20; $$(date +%T))"
+	$(BIN)/python -m infercourse.ops.agents install || echo "   agents not installed: notebook 20 will skip (make agents to retry)"
 	@echo "== set up ($$(date +%T))"
 	printf '%s\n' $(LLAMA_ARGS_QUOTED) > $(LLAMA_ARGS_FILE)
 	touch $@ $(VENV)/.installed
 
 # Claude Code and Codex CLI at the versions tools/agents/package-lock.json pins, into the cache
-# folder (never this repo); without npm it says how to get them, and 18b skips.
+# folder (never this repo); without npm it says how to get them, and 20 skips.
 agents: $(STAMP)
 	$(BIN)/python -m infercourse.ops.agents install
 

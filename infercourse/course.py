@@ -35,7 +35,7 @@ NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 def notebooks(folder: str | Path = NOTEBOOK_DIR) -> list[Path]:
-    """The course's notebooks in order (NN_name.ipynb, and NNb_name.ipynb after NN_)."""
+    """The course's notebooks in map order (NN_name.ipynb: the numbers follow the map)."""
     return sorted(p for p in Path(folder).glob("[0-9][0-9]*_*.ipynb"))
 
 
@@ -93,7 +93,7 @@ def results_dir(name: str) -> Path:
     `$INFERCOURSE_RESULTS/<name>/<YYYYmmdd-HHMMSS>` (else under build/results), with a
     suffix when that second is taken. New on every call, so running a notebook again (or a
     second `make course`) never meets the runs of the last time: a run folder is
-    append-only and refuses to be written twice (10 failed so on the second `make course`).
+    append-only and refuses to be written twice (11 failed so on the second `make course`).
     """
     root = Path(os.environ.get("INFERCOURSE_RESULTS", Path.cwd() / "build" / "results")) / name
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -590,7 +590,7 @@ def test_doctor_anthropic_route_healthy_then_without_jinja(llama):
 
 @pytest.mark.slow
 def test_symptom_checks_name_their_layers(llama):
-    """The route's two symptom rows (notebooks 16/17): a busted cache names the KV cache;
+    """The route's two symptom rows (notebooks 18/21): a busted cache names the KV cache;
     the 135M model asked for a tool answers without one (model layer)."""
     from infercourse.ops.anthropic_probe import cache_buster_check, tool_check
     layer, evidence, got = cache_buster_check(llama.url)

@@ -1,4 +1,4 @@
-"""Notebook 19's measured capacity: the largest session count whose later turns met the
+"""Notebook 16's measured capacity: the largest session count whose later turns met the
 TTFT SLO, on tables built from hand-made per-turn frames (no server): a count where every
 turn failed is over capacity, however the fraction of an empty set reads."""
 import math
@@ -29,7 +29,7 @@ def _table(runs, slo_ttft_s=2.0):
 
 
 def test_a_count_where_every_turn_failed_is_over_capacity():
-    """19's shape: 1-4 sessions; at 3 and 4 the server refused every session's first turn.
+    """16's shape: 1-4 sessions; at 3 and 4 the server refused every session's first turn.
     Capacity is 2. (Before the fix the later-turn fraction of 3 and 4 was NaN, `NaN < 0.9`
     is False, and the table read capacity 4.)"""
     table = _table([_run(1), _run(2), _run(3, refused=True), _run(4, refused=True)])

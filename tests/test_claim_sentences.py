@@ -69,7 +69,7 @@ def test_shape_sentence_flips_with_which_curve_fell_faster():
     noisy = claims.shape_sentence([64, 512], [40, 31.6], [100, 91], floor=0.3)   # 0.79 vs 0.91 inside ±30%
     assert "cannot say" in noisy and "fell faster" not in noisy
     assert "fell faster" in claims.shape_sentence([64, 512], [40, 31.6], [100, 91], floor=0.05)
-    import pandas as pd                 # a Series indexed by context (as notebook 11 passes it) reads the same
+    import pandas as pd                 # a Series indexed by context (as notebook 12 passes it) reads the same
     idx = pd.Index(x, name="context")
     assert claims.shape_sentence(x, pd.Series([62, 43, 29], idx), pd.Series(model, idx)) == steeper
 
@@ -104,7 +104,7 @@ def test_interval_word(exact, word):
     assert claims.interval_word(exact) == word
 
 
-# ---- notebook 10: the calibrated roof, the limit and continuous-batching sentences ----------
+# ---- notebook 11: the calibrated roof, the limit and continuous-batching sentences ----------
 def _ceil(probe_tok_s=50.0):
     import pandas as pd
     return pd.DataFrame({"memory_bound_tok_per_s": [300.0, 600.0, 1200.0], "compute_bound_tok_per_s": probe_tok_s,

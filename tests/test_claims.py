@@ -16,7 +16,7 @@ NB = ROOT / "notebooks"
 
 
 def _notebooks() -> dict[str, Path]:
-    """{"06b": path, ...}: every numbered notebook by its number."""
+    """{"07": path, ...}: every numbered notebook by its number."""
     return {p.name.split("_")[0]: p for p in sorted(NB.glob("[0-9][0-9]*_*.ipynb"))}
 
 
@@ -58,7 +58,7 @@ def _glossary_rows() -> list[tuple[str, list[str], str]]:
 
 def _cited(where: str) -> list[tuple[str, bool]]:
     """[(notebook number, in its solution?)] from a "measured in" cell: "03, 05", "07–11",
-    "explained in 06b (profile `gpu`)", "02 (solution)"; "Phase 3" names no notebook."""
+    "explained in 07 (profile `gpu`)", "02 (solution)"; "Phase 3" names no notebook."""
     order, out = list(_notebooks()), []
     for m in re.finditer(r"\b(\d\d[a-z]?)\b(?:\s*[–-]\s*(\d\d[a-z]?)\b)?( \(solution\))?", where):
         a, b, sol = m.groups()
@@ -83,10 +83,10 @@ def test_glossary_term_is_used_where_it_says(term, names, where):
 
 
 def test_glossary_check_can_fail():
-    """The check itself: ITL is not a word of notebook 03 (it is 09's), goodput not one of 16's."""
+    """The check itself: ITL is not a word of notebook 03 (it is 10's), goodput not one of 18's."""
     nbs = _notebooks()
-    assert not _mentions(_text(nbs["03"]), "ITL") and _mentions(_text(nbs["09"]), "ITL")
-    assert not _mentions(_text(nbs["16"]), "goodput") and _mentions(_text(nbs["10"]), "goodput")
+    assert not _mentions(_text(nbs["03"]), "ITL") and _mentions(_text(nbs["10"]), "ITL")
+    assert not _mentions(_text(nbs["18"]), "goodput") and _mentions(_text(nbs["11"]), "goodput")
 
 
 # ---- README: what is not measured live is listed, and marked where it appears --------------------
@@ -107,7 +107,7 @@ def test_readme_does_not_claim_everything_is_measured():
 
 def test_every_printed_only_item_is_marked_in_its_notebook_and_listed_in_the_readme():
     nbs, listed = _notebooks(), _printed_only_list()
-    assert {"06b", "12", "13", "14", "17"} <= set(listed)
+    assert {"07", "13", "14", "15", "21"} <= set(listed)
     marked = {k for k, p in nbs.items()
               if any(re.search(r"printed-only|printed, never run", c, re.IGNORECASE) for c in _cells(p, "markdown"))}
     assert set(listed) <= marked, f"listed in README but not marked in the notebook: {sorted(set(listed) - marked)}"
@@ -178,7 +178,7 @@ def test_route_d_is_mlx_lm_wherever_mlx_imports_else_named_as_what_runs(monkeypa
     assert d.engine.kwargs == {"n_ctx": 512, "n_threads": 1}
     assert capstone._route_d("mlx", {"usable": False, "why": "no mlx"}, threads=1, ctx_size=512).skipped == "no mlx"
     params: dict = {}
-    cell = next(c for c in json.loads((NB / "17_capstone.ipynb").read_text(encoding="utf-8"))["cells"]
+    cell = next(c for c in json.loads((NB / "21_capstone.ipynb").read_text(encoding="utf-8"))["cells"]
                 if "parameters" in c["metadata"].get("tags", []))
     exec("".join(cell["source"]), params)
     assert params["ROUTE_D"] == "auto"

@@ -19,26 +19,28 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NB = ROOT / "notebooks"
 
-CHECKED = ["08", "09", "10", "11"]     # the other notebooks can join this list
+ALLOW_DIR = Path(__file__).parent / "data" / "claims_allow"
+ALL = sorted(p.name[:2] for p in NB.glob("[0-9][0-9]_*.ipynb"))
+# notebooks whose prose is still being rewritten (issue 26); `_hits("NN")` lists what is left
+PENDING = ["00", "01", "02", "03", "04", "05", "06", "08", "13", "14", "15", "16", "17", "18", "19", "21"]
+CHECKED = [k for k in ALL if k not in PENDING]
 
 # a number with a unit (a measured figure), and words that rank or compare an outcome; "2 × 30"
 # (a product of two numbers, card arithmetic) is not a multiple, "1.36×" and "5.7 × S" are
 NUMBER_UNIT = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)?\s*(?:ms|s|tok/s|%|(?:×|x)(?!\s*[\d(]))(?![\w/])")
 COMPARISON = re.compile(r"\b(faster|slower|above the median|below the median|steep(?:er|ly)?)\b", re.I)
 
-# (notebook, regex the line must match, reason). Each entry must be used (no stale entries).
-ALLOW = [
-    ("08", r"Medusa reports 2\.2–3\.6×", "published result of the Medusa paper, cited with its source"),
-    ("08", r"DeepSeek-V3's 85–90 %", "published result of DeepSeek-V3, cited with its source"),
-    ("08", r"\(DeepSeek-V3: 85–90 % acceptance, ~1\.8×\)", "published result of DeepSeek-V3, cited"),
-    ("08", r"DeepSeek-V3 drafts one token\s*\(85–90 %\)", "published result of DeepSeek-V3, cited (solution)"),
-    ("10", r"¼×, 1× and 2×", "the workload's designed output lengths (a parameter), not an outcome"),
-    ("10", r"offered at 0\.5× and 1\.5× capacity|at half and at 1\.5×", "the rates the notebook chooses to offer"),
-    ("10", r"0\.8, 1\.0 and 1\.2 × capacity", "rates the exercise asks the learner to choose"),
-    ("09", r"\b95% (interval|confidence)|a 95% interval|the 5% left out|2\.5%", "the confidence level, a parameter"),
-    ("08", r"\b95%|5% false positives", "the confidence level / test level, parameters"),
-    ("10", r"5% false positives|\b95%", "the test level, a parameter"),
-]
+
+def _allow() -> list[tuple[str, str, str]]:
+    """(notebook, regex the line must match, reason), from tests/data/claims_allow/NN.json: one
+    file per notebook, each entry `{"match": regex, "why": reason}`. Every entry must be used."""
+    out = []
+    for f in sorted(ALLOW_DIR.glob("*.json")):
+        out += [(f.stem, e["match"], e["why"]) for e in json.loads(f.read_text(encoding="utf-8"))]
+    return out
+
+
+ALLOW = _allow()
 
 
 def _prose(key: str) -> list[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""Notebook 18's overflow finder: the first call of a session that no longer fits the
+"""Notebook 19's overflow finder: the first call of a session that no longer fits the
 server's window. llama-server refuses a prompt of exactly n_ctx tokens (no room for one
 new token), so that call is the first overflow; checked on a stand-in, then against a real
 llama-server's own boundary."""

@@ -1,4 +1,4 @@
-"""Notebook 10's library: batching ceilings, Little's law, the knee, goodput; a real -np sweep."""
+"""Notebook 11's library: batching ceilings, Little's law, the knee, goodput; a real -np sweep."""
 import json
 import types
 

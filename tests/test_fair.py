@@ -143,9 +143,9 @@ def _params(notebook: str) -> dict:
 
 
 def test_notebook_12_runs_every_route_that_can_run_here_by_default():
-    """12's defaults skip nothing that runs here: MLX's and vLLM's CPU builds included (a
+    """13's defaults skip nothing that runs here: MLX's and vLLM's CPU builds included (a
     stand-in status says every route is usable, as on a machine with mlx[cpu] and `make vllm`)."""
-    p = _params("12_fair_benchmark.ipynb")
+    p = _params("13_fair_benchmark.ipynb")
     usable = {c: {"usable": True, "why": f"{c} 1.0"} for c in
               ("llamacpp", "llama-server", "transformers", "mlx", "vllm", "ollama")}
     todo = fair.plan(p["ROUTES"], usable, skip=p["SKIP"])

@@ -1,4 +1,4 @@
-"""The latency lesson's library (notebook 09): definitions checked on synthetic traces with
+"""The latency lesson's library (notebook 10): definitions checked on synthetic traces with
 hand-computed answers, and the overload runs against a stand-in server on an exact clock."""
 import pandas as pd
 import pytest

@@ -1,4 +1,4 @@
-"""Notebook 11's library: the llama.cpp log's buffers, the memory line and its inverse; real
+"""Notebook 12's library: the llama.cpp log's buffers, the memory line and its inverse; real
 servers for the KV cache's residency, context shift and the host-RAM prompt cache."""
 import pandas as pd
 import pytest

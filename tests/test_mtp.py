@@ -121,10 +121,10 @@ def test_pass_cost_times_each_width_against_one(tiny):
 
 
 def test_versus_yardstick_needs_a_gap_beyond_the_spread():
-    assert mtp.versus_yardstick(0.065, 0.065, 400).startswith("no different")    # 08's Medusa t+3 case
+    assert mtp.versus_yardstick(0.065, 0.065, 400).startswith("no different")    # 09's Medusa t+3 case
     assert mtp.versus_yardstick(0.20, 0.065, 400).startswith("clear of")
     assert mtp.versus_yardstick(0.08, 0.065, 100).startswith("no different")     # 1.5 pp on 100 positions: noise
-    # 08's medusa t+2 case: 3.7 points over a 2 SE of 3.2 (independent), not over correlated positions
+    # 09's medusa t+2 case: 3.7 points over a 2 SE of 3.2 (independent), not over correlated positions
     both = mtp.versus_yardstick(0.337, 0.30, 800)
     assert both.startswith("above") and "may be real, or noise" in both
     assert mtp.versus_yardstick(0.01, 0.10, 1000).startswith("below")

@@ -195,7 +195,7 @@ def test_verdict_is_the_same_for_times_and_speeds():
 
 
 def test_threads_runnable_now_make_a_busy_machine_before_the_load_average_rises():
-    """The 1-minute load average lags: two seconds after two busy loops started, 10's gate
+    """The 1-minute load average lags: two seconds after two busy loops started, 11's gate
     read 'load 0.3, quiet'. Threads runnable at this instant do not lag."""
     c = noise.judge(0.3, 2, 0.9, runnable=2)
     assert c.busy and "2 other threads runnable right now on 2 cores" in c.message

@@ -75,12 +75,12 @@ def test_inject_replaces_in_place_and_keeps_derived_values():
 
 def test_results_dir_is_new_on_every_run(tmp_path, monkeypatch):
     """A second `make course` (or a learner running a notebook again) must not meet the last
-    run's folders: a run folder refuses a second write, and 10 failed on exactly that."""
+    run's folders: a run folder refuses a second write, and 11 failed on exactly that."""
     from infercourse.course import results_dir
     from infercourse.measure.results import RunWriter
     monkeypatch.setenv("INFERCOURSE_RESULTS", str(tmp_path))
-    first, second = results_dir("10_concurrency_batching"), results_dir("10_concurrency_batching")
-    assert first != second and first.parent == second.parent == tmp_path / "10_concurrency_batching"
+    first, second = results_dir("11_concurrency_batching"), results_dir("11_concurrency_batching")
+    assert first != second and first.parent == second.parent == tmp_path / "11_concurrency_batching"
     manifest = {"engine": {}, "model": "m", "sampling": {}, "load": {}, "workload": {}}
     for out in (first, second):
         with RunWriter(out / "np_sweep" / "np1-r0", manifest):

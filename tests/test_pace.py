@@ -29,4 +29,4 @@ def test_the_committed_reference_names_its_machine_and_load():
     ref = json.loads(pace.REFERENCE.read_text())
     assert ref["probe_s"] > 0 and ref["course_full_s"] > 0
     assert ref["machine"] and "load_1m_full" in ref
-    assert set(ref["notebooks_full_s"]) >= {"00_setup", "19_capacity_routing"}
+    assert set(ref["notebooks_full_s"]) >= {"00_setup", "16_capacity_routing"}

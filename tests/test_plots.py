@@ -92,7 +92,7 @@ def test_timeseries_marks_errors_and_memory():
     assert any("(GB)" in a.get_ylabel() for a in ax.figure.axes)
 
 
-# ---- notebook 09 -------------------------------------------------------------------------
+# ---- notebook 10 -------------------------------------------------------------------------
 def test_latency_anatomy_marks_each_metric():
     tr = RequestTrace(request_id=3, scheduled_t=0.0, sent_t=0.1, chunk_t=[0.5, 0.6, 0.9, 1.0],
                       chunk_tokens=[1, 1, 1, 1], end_t=1.0, completion_tokens=4)

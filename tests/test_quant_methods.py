@@ -1,4 +1,4 @@
-"""06b's sentences and speed-ups come from the run's numbers: synthetic tables, both ways.
+"""07's sentences and speed-ups come from the run's numbers: synthetic tables, both ways.
 
 Every table here is made up (no model is loaded), so each test shows that a wording or a
 ratio follows its inputs: flip the numbers and the sentence flips."""

@@ -1,5 +1,5 @@
 """Real coding agents in the lab: the sealed namespace, the recording proxy, the anatomy of a
-request, `doctor agent`, and the sentences notebook 18b computes from a run.
+request, `doctor agent`, and the sentences notebook 20 computes from a run.
 
 The capture, report and doctor paths run with the course's stand-in agent
 (`infercourse.testing_agent`) against a real llama-server; the real agents (Claude Code,
@@ -198,7 +198,7 @@ def test_doctor_fixes_follow_the_findings():
     assert "stream_idle_timeout_ms" in agent_doctor.fixes("codex", "http://127.0.0.1:8", GOOD, SHAPE, checks)
 
 
-# -- the sentences 18b computes -----------------------------------------------------------------
+# -- the sentences 20 computes -----------------------------------------------------------------
 def _tab(**rows):
     return pd.DataFrame(rows).T
 

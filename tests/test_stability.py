@@ -1,4 +1,4 @@
-"""Notebook 14's library: reading a soak (hit rate by context, drift in words, the plots)."""
+"""Notebook 15's library: reading a soak (hit rate by context, drift in words, the plots)."""
 import matplotlib
 import numpy as np
 import pandas as pd

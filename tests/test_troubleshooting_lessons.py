@@ -1,4 +1,4 @@
-"""Notebooks 15-17's lessons, the parts that need no server: evidence shown without the
+"""Notebooks 17, 18 and 21's lessons, the parts that need no server: evidence shown without the
 answer, the guide's suspects beside the layer found, and a route named only beyond noise."""
 import numpy as np
 import pandas as pd

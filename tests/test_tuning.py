@@ -76,8 +76,15 @@ def test_decide_pairs_requests_and_judges_against_the_aa_floor():
     assert d["decision"] == "keep" and d["ratio"] == pytest.approx(0.9) and d["pairs"] == 8
     assert T.decide(before, after, floor=0.15)["decision"] == "revert"          # inside a ±15% floor
     wobble = _frame(before.ttft_s * np.where(np.arange(8) % 2, 1.2, 1 / 1.2))  # A/A moves x/÷ 1.2
-    aa = T.decide(before, after, aa=wobble)
+    # B moving as the rerun does, centred on 0.9: no evidence against "the same config"
+    noisy = _frame(before.ttft_s * np.array([1.08, 0.72, 1.1, 0.75, 1.05, 0.7, 1.12, 0.78]))
+    aa = T.decide(before, noisy, aa=wobble)
     assert aa["decision"] == "revert" and "within noise" in aa["why"] and aa["floor"] == pytest.approx(0.2)
+    # the same rerun, and B 10% lower in every request: the rerun is data (A, A2, B relabelled per
+    # request), so a consistent cut is found even inside the ±20% band a bare floor would draw
+    steady = T.decide(before, after, aa=wobble)
+    assert steady["decision"] == "keep" and "relabelled" in steady["test"]
+    assert T.decide(before, after, floor=0.2)["decision"] == "revert"          # the bare band cannot
     few = T.decide(before.iloc[:3], after.iloc[:3])                              # 3 pairs: a range, said so
     assert "not a 95% interval" in few["why"]
 
@@ -236,9 +243,28 @@ def test_tuning_log_judges_trials_against_the_baselines_aa_repeat(tmp_path):
                                                    dir=tmp_path / "aa")
     log = T.TuningLog(tmp_path, guard="users:ttft_s")
     log.baseline(session)
-    assert log.floor("users:ttft_s") == pytest.approx(0.3)
-    within = log.trial("n_parallel", _session(tmp_path, "t", base.change(n_parallel=2), x * 0.8), target="users:ttft_s")
+    assert float(log.floor("users:ttft_s")) == pytest.approx(0.3) and f"{log.floor('users:ttft_s'):.0%}" == "30%"
+    within = log.trial("n_parallel", _session(tmp_path, "t", base.change(n_parallel=2),
+                                              x * np.where(np.arange(8) % 2, 1.25, 0.62)), target="users:ttft_s")
     assert within["decision"] == "revert" and "within noise" in within["why"]
     clear = log.trial("n_parallel", _session(tmp_path, "t2", base.change(n_parallel=4), x * 0.5),
                       target="users:ttft_s")
     assert clear["decision"] == "keep" and clear["floor"] == pytest.approx(0.3)
+
+
+def test_the_log_passes_the_floor_object_so_its_rerun_is_data(tmp_path):
+    """Four requests, a quiet A/A rerun, a halving: the joint test (A, its rerun and B relabelled
+    in each request) finds it; a bare band's sign-flip test cannot at 4 pairs (its smallest
+    p-value is 1/16). The log must pass the NoiseFloor, not its band."""
+    base, x = T.ServerConfig(), np.array([1.0, 1.3, 1.7, 2.2])
+    session = _session(tmp_path, "b", base, x)
+    session["runs"]["users A/A"] = SimpleNamespace(df=_frame(x * np.array([1.01, 0.99, 1.005, 0.995])),
+                                                   dir=tmp_path / "aa")
+    log = T.TuningLog(tmp_path, guard="users:ttft_s")
+    log.baseline(session)
+    nf = log.floor("users:ttft_s")
+    after = _session(tmp_path, "t", base.change(n_parallel=2), x * 0.5)
+    bare = T.decide(session["runs"]["users"].df, after["runs"]["users"].df, "ttft_s", floor=float(nf))
+    assert bare["decision"] == "revert" and "within noise" in bare["why"]
+    kept = log.trial("n_parallel", after, target="users:ttft_s")
+    assert kept["decision"] == "keep" and "relabelled" in kept["test"]

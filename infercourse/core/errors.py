@@ -15,7 +15,7 @@ __all__ = [
     "KVCacheLayerError", "MemoryLayerError", "HardwareLayerError", "AgentLayerError", "LAYERS",
 ]
 
-# The order a symptom is located in (see notebook 15): the first failing layer is the answer.
+# The order a symptom is located in (see notebook 17): the first failing layer is the answer.
 LAYERS = ("API", "server", "engine", "runtime", "model", "context", "KV cache", "memory", "hardware")
 
 

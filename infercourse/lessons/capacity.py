@@ -1,4 +1,4 @@
-"""How many agents fit one server, and how to grow past one (notebook 19).
+"""How many agents fit one server, and how to grow past one (notebook 16).
 
 The measurements come from `measure.sessions` (N live agent sessions against K slots) and
 `servers.router` (replicas behind sglang-router); this module turns them into the
@@ -7,9 +7,9 @@ notebook's answers:
 - `knee`: the largest session count before sessions start evicting each other's cached
   prefixes (the later turns' cache hit rate falls below a threshold);
 - `predict_capacity`: sessions one replica should serve, predicted before measuring from
-  two numbers the course already taught: the KV budget (notebook 11: which session
+  two numbers the course already taught: the KV budget (notebook 12: which session
   prefixes fit in the slots and in the host-RAM prompt cache) and the throughput of one
-  replica (notebook 10: one cached turn's service time against a session's think time,
+  replica (notebook 11: one cached turn's service time against a session's think time,
   kept under a utilisation that leaves room for bursts);
 - `measured_capacity`: the largest session count whose turns meet the TTFT SLO;
 - `replicas_for`: replicas for a team, from one replica's capacity;
@@ -60,7 +60,7 @@ def predict_capacity(one: pd.DataFrame, *, slots: int, slot_ctx: int, kv_bytes_p
         one: the per-turn frame of ONE session alone (its turns' e2e, prompt sizes, the
             think time between them).
         slots: llama-server slots (-np); slot_ctx: context per slot (-c / -np).
-        kv_bytes_per_token: from the model card (notebook 11).
+        kv_bytes_per_token: from the model card (notebook 12).
         cache_ram_mib: the host-RAM prompt cache (--cache-ram; 0: off).
         utilisation: the busy share a replica may run at; queueing grows without bound
             as it nears 1, so leave headroom for bursts.

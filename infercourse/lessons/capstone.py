@@ -1,4 +1,4 @@
-"""Notebook 17: an incident, end to end.
+"""Notebook 21: an incident, end to end.
 
 The agentic coding session (`measure.workloads.agentic_workload`) is replayed against every
 route this machine has, each skipped with the reason where absent. The guide's routes, and
@@ -293,7 +293,7 @@ def grade_report(report: dict[str, Any], inc: Incident, *, instructor: bool = Fa
 
 
 def soak_recipe(hours: float = 24.0, url: str | None = None) -> str:
-    """The command for a long stability run (notebook 14's soak) on the route you fixed."""
+    """The command for a long stability run (notebook 15's soak) on the route you fixed."""
     target = f"--url {url}" if url else "--server llama --parallel 2"
     return (f"infercourse soak {target} --duration {hours:g}h --workload agentic --concurrency 2 "
             f"--out soak-{hours:g}h   # then: infercourse report soak-{hours:g}h")

@@ -1,4 +1,4 @@
-"""Why is my coding agent slow and flaky on a local model? (notebook 18)
+"""Why is my coding agent slow and flaky on a local model? (notebook 19)
 
 A coding agent (Claude Code and its kind) talks to the model through the Anthropic
 Messages API: every call re-sends a long system prompt, ~15 tool schemas and the whole
@@ -258,7 +258,7 @@ def claude_code_settings(url: str, model: str = "local-model") -> str:
     in `ollama launch claude`; musistudio/claude-code-router PR #1220). llama.cpp PR #21793
     (in this build) normalises only the header's `cch=` field, which Claude Code 2.1.328 no
     longer sends; its per-task `cc_version` suffix still busts the cache (measured with the real
-    client in notebook 18b), so the client-side switch is the fix."""
+    client in notebook 20), so the client-side switch is the fix."""
     env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": "local", "ANTHROPIC_API_KEY": "",
            "ANTHROPIC_MODEL": model, "API_TIMEOUT_MS": "600000",
            "CLAUDE_CODE_ATTRIBUTION_HEADER": "0", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}

@@ -1,4 +1,4 @@
-"""Serving many users at once: Little's law, queueing, and why batching pays (notebook 10).
+"""Serving many users at once: Little's law, queueing, and why batching pays (notebook 11).
 
 One user sees latency; a server sees *throughput* too, and the two trade against each
 other. Three ideas carry the lesson:

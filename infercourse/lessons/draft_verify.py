@@ -9,7 +9,7 @@ yields between 1 and k+1 tokens.
 
 - `speculative_greedy`: the greedy loop in a dozen lines, on any transformers causal LM.
   The drafter is any function `propose(tokens, hidden)`: prompt lookup ignores `hidden`;
-  multi-token-prediction heads (notebook 08) read it. With `propose` returning nothing it
+  multi-token-prediction heads (notebook 09) read it. With `propose` returning nothing it
   is plain greedy decoding, one token per pass, the baseline for speed and exactness.
 - `rejection_sample`: what keeps the *distribution* exact when sampling (Leviathan et al.
   2023, Chen et al. 2023): accept a drafted token x ~ q with probability min(1, p(x)/q(x));

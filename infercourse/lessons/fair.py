@@ -33,7 +33,7 @@ from infercourse.measure import bench
 from infercourse.measure.importers import load_vllm_bench
 from infercourse.measure.results import Run, compare, differing_conditions, load_run, new_run_dir
 from infercourse.measure.workloads import DATA_DIR, Workload, agentic_workload
-# Routes (how each is opened, which run here) are shared with notebook 17: ops.routes.
+# Routes (how each is opened, which run here) are shared with notebook 21: ops.routes.
 from infercourse.ops.routes import ROUTES, open_route, route_status
 
 __all__ = ["FAIR_KEYS", "LABELLED", "ROUTES", "PEER_FIXTURE", "WARMUP", "agent_calls", "route_status", "plan",
@@ -59,7 +59,7 @@ def agent_calls(n_calls: int, max_tokens: int) -> Workload:
     extends the previous one, as an agent's does), every answer forced to `max_tokens`.
 
     Args:
-        n_calls: calls replayed, back to back (no tool think-time: that is notebook 14's).
+        n_calls: calls replayed, back to back (no tool think-time: that is notebook 15's).
         max_tokens: forced output length, so decode is timed over the same token count.
     """
     wl = agentic_workload()

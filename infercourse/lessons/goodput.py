@@ -1,4 +1,4 @@
-"""Reading a throughput-latency curve (notebook 10): the knee, goodput, and what limits it.
+"""Reading a throughput-latency curve (notebook 11): the knee, goodput, and what limits it.
 
 `concurrency` measures the curve (one point per number of users); this module reads it.
 

@@ -1,4 +1,4 @@
-"""Where a server's memory goes, and when it runs out (notebook 11).
+"""Where a server's memory goes, and when it runs out (notebook 12).
 
 A llama.cpp server holds three things, and prints each as it allocates it:
 

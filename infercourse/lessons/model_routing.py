@@ -1,5 +1,5 @@
 """Routing by model name: one URL, several models, and what switching between them costs
-(notebook 19, its routing half).
+(notebook 16, its routing half).
 
 A coding agent talks to two models: its main loop to one (Claude Code: a Sonnet ID) and
 its small background calls to another (a Haiku ID, `ANTHROPIC_DEFAULT_HAIKU_MODEL`).

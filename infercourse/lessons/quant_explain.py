@@ -1,4 +1,4 @@
-"""06b's conclusions, written from the run's own table, never from an earlier run.
+"""07's conclusions, written from the run's own table, never from an earlier run.
 
 A sentence such as "bf16 decodes slower than float32 here" is true on one machine and false
 on the next (one CPU lacks bfloat16 instructions, another has them). So every sentence that

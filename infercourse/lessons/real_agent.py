@@ -1,6 +1,6 @@
-"""Your real agent on your server (notebook 18b): Claude Code and Codex CLI, captured.
+"""Your real agent on your server (notebook 20): Claude Code and Codex CLI, captured.
 
-Notebook 18 taught the coding-agent route with the course's stand-in of an agent. Here the
+Notebook 19 taught the coding-agent route with the course's stand-in of an agent. Here the
 real clients run (pinned versions, installed by `make agents`), against the course's own
 llama-server, inside a network namespace that holds nothing but loopback (`ops.netns`), with
 every call captured by a recording proxy (`ops.agent_capture`). What they show, and the
@@ -106,7 +106,7 @@ def first_call_parts(out: str | Path, request_id: int = 0) -> pd.DataFrame:
 
 
 def versus_stand_in(real: pd.DataFrame, profile: str = "cpu", count=None) -> pd.DataFrame:
-    """The real first request against the course's stand-in workload (notebook 18's), part
+    """The real first request against the course's stand-in workload (notebook 19's), part
     kind by part kind: parts and tokens of each, and the stand-in's share of the real one."""
     from infercourse.measure.agent_workload import coding_agent_session
     from infercourse.ops.agent_anatomy import compare_parts, dissect

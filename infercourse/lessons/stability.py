@@ -1,4 +1,4 @@
-"""Does it still work after hours? Reading a soak (notebook 14).
+"""Does it still work after hours? Reading a soak (notebook 15).
 
 The soak itself lives in `infercourse.ops.soak` (the same run as `infercourse soak`);
 this module turns its three records into what a learner looks at:

@@ -279,17 +279,17 @@ def raw_exchange(url: str, prompt: str, *, max_tokens: int = 8, model: str = "an
 # Which notebooks measure each layer (top to bottom), and the tools that fill the layer; WALK
 # walks every layer (troubleshooting). Together they name every notebook of notebooks/README.md.
 STACK: list[tuple[str, str, tuple[str, ...]]] = [
-    ("user", "a person or a program waiting for text", ("09",)),
-    ("agent", "a loop of model calls + tools; re-sends the context", ("02", "18", "18b", "19")),
-    ("API", "chat template, JSON over HTTP, SSE streaming", ("01", "09", "18", "18b")),
-    ("inference server", "slots, queue, /metrics (llama-server, vLLM, Ollama)", ("01", "05", "10", "14", "19")),
-    ("engine", "scheduling, batching, KV + prefix caches, speculation", ("04", "05", "07", "08", "10", "13")),
-    ("runtime", "runs the model's ops: llama.cpp, MLX-LM, transformers", ("00", "03", "12")),
-    ("compute backend", "kernels: CPU SIMD, CUDA, Metal; quantized math", ("03", "06", "06b")),
-    ("hardware", "memory bandwidth, FLOP/s, RAM: ceilings and limits", ("00", "03", "11")),
-    ("model", "weights and architecture: params, layers, KV heads", ("00", "04", "06", "06b", "08")),
+    ("user", "a person or a program waiting for text", ("10",)),
+    ("agent", "a loop of model calls + tools; re-sends the context", ("02", "16", "19", "20")),
+    ("API", "chat template, JSON over HTTP, SSE streaming", ("01", "10", "19", "20")),
+    ("inference server", "slots, queue, /metrics (llama-server, vLLM, Ollama)", ("01", "05", "11", "15", "16")),
+    ("engine", "scheduling, batching, KV + prefix caches, speculation", ("04", "05", "08", "09", "11", "14")),
+    ("runtime", "runs the model's ops: llama.cpp, MLX-LM, transformers", ("00", "03", "13")),
+    ("compute backend", "kernels: CPU SIMD, CUDA, Metal; quantized math", ("03", "06", "07")),
+    ("hardware", "memory bandwidth, FLOP/s, RAM: ceilings and limits", ("00", "03", "12")),
+    ("model", "weights and architecture: params, layers, KV heads", ("00", "04", "06", "07", "09")),
 ]
-WALK = ("15", "16", "17")
+WALK = ("17", "18", "21")
 
 
 def draw_stack(path: Any = None, *, ax=None):
@@ -319,7 +319,7 @@ def draw_stack(path: Any = None, *, ax=None):
         for k, nb in enumerate(nbs):
             tag(9.7 + 0.68 * k, y + 0.22, 0.56, nb)
     right = 9.7 + 0.68 * max(len(nbs) for *_, nbs in STACK) + 0.3
-    for k, nb in enumerate(WALK):   # every layer, top to bottom: the walk of notebook 15
+    for k, nb in enumerate(WALK):   # every layer, top to bottom: the walk of notebook 17
         tag(right + 0.68 * k, 0.2, n - 0.4, nb)
     ax.text(right + 0.34 * len(WALK), n + 0.05, "every layer", ha="center", fontsize=10, color="0.3")
     ax.annotate("", xy=(-0.25, 0.2), xytext=(-0.25, n - 0.2), arrowprops=dict(arrowstyle="->", color="0.4", lw=1.5))

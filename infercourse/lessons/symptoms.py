@@ -1,4 +1,4 @@
-"""Notebook 16: from what the user sees to what broke. The symptom table, reproduced live.
+"""Notebook 18: from what the user sees to what broke. The symptom table, reproduced live.
 
 Each row of the reference guide's symptom table names what a user reports and the layers
 the guide suspects first. Here every row is reproduced on this machine where it can be: a
@@ -46,7 +46,7 @@ SYMPTOMS = {
     "tokens slow": (("runtime", "quantization", "hardware"), "cpu_contention"),
     "crash after a long run": (("memory", "KV cache"), "memory_growth"),
     "tool calling fails": (("model", "API"), "template_breaks_tools"),
-    # the coding-agent route (notebook 18): POST /v1/messages, as Claude Code sends it
+    # the coding-agent route (notebook 19): POST /v1/messages, as Claude Code sends it
     "agent slow on every call": (("KV cache", "context"), "cache_buster"),
     "tool calling fails over /v1/messages": (("model", "API"), "anthropic_tools"),
     "streaming fails": (("API", "server"), "cut"),
@@ -136,7 +136,7 @@ def _hogs(n: int, seconds: float = 30.0) -> list:
     """`n` busy processes, each in its own session. Linux's autogroup shares the CPU
     between sessions before processes: llama-server runs in a session of its own (its
     watchdog starts it so), so busy loops in this notebook's session took almost nothing
-    from it (16's 'tokens slow' read 108% of the speed alone, within noise, on a quiet and
+    from it (18's 'tokens slow' read 108% of the speed alone, within noise, on a quiet and
     a busy machine alike). One session each competes as any other program would."""
     import subprocess
     import sys
@@ -290,7 +290,7 @@ def write_cheatsheet(rows: list[SymptomRow], path: str | Path, *, machine: str =
     cell = lambda v: str(v).replace("|", "/").replace("\n", " ")   # noqa: E731
     lines = ["# Symptom cheat sheet: what the user sees → which layer to check", "",
              f"Measured {utc_now()} on {machine or 'this machine'} ({os.cpu_count()} logical cores, 1-min load "
-             f"{load:.1f}) by notebook 16 (`16_symptom_lab`): every row reproduced live on the embedded model; "
+             f"{load:.1f}) by notebook 18 (`18_symptom_lab`): every row reproduced live on the embedded model; "
              "evidence and seconds are what this run saw. \"guide's suspects\" are the reference guide's usual "
              "causes; \"layer found\" is what this run's evidence named, and \"why it differs\" says why where "
              "they disagree.", "",
@@ -306,11 +306,11 @@ def cheatsheet_markdown() -> str:
     """The cheat sheet generated from `SYMPTOMS`, `DIFFERS`, `MEASURED` and the fault lab:
     what the user sees, which layers to check first, how the lab reproduces it and the layer
     that names. `notebooks/cheatsheet_symptoms.md` is this text (a test holds it so); notebook
-    16 writes the same rows with one run's evidence (`write_cheatsheet`)."""
+    18 writes the same rows with one run's evidence (`write_cheatsheet`)."""
     cell = lambda v: str(v).replace("|", "/")   # noqa: E731
     lines = ["# Symptom cheat sheet: what the user sees → which layer to check", "",
              "Generated from `infercourse.lessons.symptoms` by `cheatsheet_markdown()` (a test keeps this file "
-             "equal to it). Notebook 16 (`16_symptom_lab`) reproduces every row live and writes the same table "
+             "equal to it). Notebook 18 (`18_symptom_lab`) reproduces every row live and writes the same table "
              "with that run's evidence and timings to its results folder (`write_cheatsheet`). \"check first\" "
              "is the reference guide's usual suspects; \"the lab's layer\" is the layer the lab's reproduction "
              "names, and \"why it can differ\" says why a run's evidence can name a layer other than the "

@@ -1,4 +1,4 @@
-"""Notebook 15: which layer is it? The layered procedure, practised on real faults.
+"""Notebook 17: which layer is it? The layered procedure, practised on real faults.
 
 The procedure (`PROCEDURE`) confirms the layers from the outside in and stops at the first
 one that fails. A drill (`run_drill`) injects one fault from the fault lab, records what a
@@ -38,8 +38,8 @@ PROCEDURE = [  # (layer, the question, the evidence that answers it)
 # Layers no fault of the lab reaches on a CPU-only laptop, and why (said, never faked).
 NOT_HERE = {
     "runtime": "a runtime bug needs a broken build; the lab will not ship one (see the runtime check's evidence)",
-    "KV cache": "its use is read (from /slots, as notebook 14's soak does), but filling it takes minutes of decoding",
-    "hardware": "no GPU here to lose; CPU contention is shown in notebook 16 (tokens slow)",
+    "KV cache": "its use is read (from /slots, as notebook 15's soak does), but filling it takes minutes of decoding",
+    "hardware": "no GPU here to lose; CPU contention is shown in notebook 18 (tokens slow)",
 }
 
 OPTIONS = {chr(ord("a") + i): layer for i, layer in enumerate(LAYERS)}

@@ -80,7 +80,7 @@ class ServerConfig:
 
 @dataclass
 class Lab:
-    """Everything notebook 13 sets up before its first server starts."""
+    """Everything notebook 14 sets up before its first server starts."""
 
     profile: Any                  # `ops.profiles.profile(...)`
     concurrency: int              # users at once (= the slots the `n_parallel` trial tries)
@@ -102,7 +102,7 @@ class Lab:
 
 def setup(profile_name: str, trials: dict[str, Any], *, threads: int | None, n_requests: int | None,
           max_tokens: int | None, long_tokens: int, results_root) -> Lab:
-    """The lab of notebook 13: sizes from the profile, the same requests for every trial,
+    """The lab of notebook 14: sizes from the profile, the same requests for every trial,
     the baseline configuration and a timestamped results folder.
 
     Args:

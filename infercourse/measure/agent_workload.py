@@ -73,7 +73,7 @@ class Sizes:
 
 def real_agent_static_tokens(agent: str = "claude-code") -> int:
     """System text + tool schemas of the real agent's first request, in tokens: measured from
-    the pinned version (data/agent_shapes.json, numbers only; notebook 18b captures it)."""
+    the pinned version (data/agent_shapes.json, numbers only; notebook 20 captures it)."""
     parts = json.loads((DATA_DIR / "agent_shapes.json").read_text())[agent]["first_request"]["parts"]
     return int(parts["system"]["tokens"] + parts["tool"]["tokens"])
 

@@ -69,7 +69,7 @@ def cpu_share(seconds: float = 0.5) -> float:
 def runnable_others() -> int | None:
     """Threads runnable on the whole machine at this instant, this one not counted (Linux:
     the running count of /proc/loadavg; None elsewhere). Unlike the 1-minute load average
-    it does not lag: 10's gate read "load 0.3, quiet" two seconds after two busy loops
+    it does not lag: 11's gate read "load 0.3, quiet" two seconds after two busy loops
     started."""
     try:
         running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])

@@ -180,6 +180,12 @@ class NoiseFloor:
     a: tuple[float, ...] = ()
     a2: tuple[float, ...] = ()
 
+    def __float__(self) -> float:
+        return self.floor
+
+    def __format__(self, spec: str) -> str:      # f"{nf:.0%}" formats the band's half-width
+        return format(self.floor, spec) if spec else self.text()
+
     def text(self) -> str:
         return (f"A/A noise floor ±{self.floor:.1%}: ratios in {band_text(self.floor)} are noise "
                 f"({self.interval.text('A2/A')})")

@@ -197,7 +197,7 @@ def engine_speeds(df: pd.DataFrame, ceiling: float | None = None, ax=None):
     return ax
 
 
-# ---- notebook 09: what "fast" means ------------------------------------------------------
+# ---- notebook 10: what "fast" means ------------------------------------------------------
 def latency_anatomy(trace: RequestTrace, ax=None):
     """One request's metrics drawn on its token timeline (ms since the scheduled send):
     TTFT as the shaded wait, one ITL gap, TPOT as the slope of the decode line, E2E."""

@@ -1,6 +1,6 @@
 """Speed and memory of quantized formats, measured so that a difference can be told from noise.
 
-Two rules keep 06b's speed columns honest:
+Two rules keep 07's speed columns honest:
 
 - **Compare like with like.** A format's speed-up is taken against the reference *on the
   same runtime*: HF formats against fp32 in the same transformers loop, GGUF rungs against

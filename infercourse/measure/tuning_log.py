@@ -9,7 +9,7 @@ so a colleague, or you next month, can trust or redo the result.
 
 The log does not know what a server is: a *session* is any dict with a `config` (a
 dataclass), `runs` ({workload: a run with a per-request `df` and a `dir`}) and scalars
-(e.g. `kv_cache_mib`). Notebook 13 fills it with llama-server trials.
+(e.g. `kv_cache_mib`). Notebook 14 fills it with llama-server trials.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def _pairs(before: pd.DataFrame, after: pd.DataFrame, metric: str) -> tuple[list
     return both["a"].tolist(), both["b"].tolist()
 
 
-def decide(before, after, metric: str = "ttft_s", *, goal: str = "lower", floor: float = 0.0,
-           aa: pd.DataFrame | None = None) -> dict[str, Any]:
+def decide(before, after, metric: str = "ttft_s", *, goal: str = "lower",
+           floor: float | noise.NoiseFloor = 0.0, aa: pd.DataFrame | None = None) -> dict[str, Any]:
     """Keep or revert, on the *paired* difference: the same requests before and after.
 
     Each request i gives a ratio after_i / before_i; `noise.compare` puts a distribution-free
@@ -52,20 +52,25 @@ def decide(before, after, metric: str = "ttft_s", *, goal: str = "lower", floor:
         before, after: per-request frames (`BenchResult.df`) of the same requests.
         metric: the column that defines "better".
         goal: "lower" (latencies) or "higher" (speeds, counts).
-        floor: the A/A noise floor as a fraction (0.08: differences within ±8% are noise).
+        floor: the A/A `noise.NoiseFloor` of `before` (its rerun then joins the test: A, its
+            A/A rerun and B relabelled within each request, which needs 3 pairs where a bare
+            band's sign-flip test needs 6), or a bare fraction (0.08: differences within ±8%
+            are noise).
         aa: the baseline's repeat run (the same config, the same requests); when given, the
             floor is computed from it (`noise.noise_floor`) and `floor` is ignored.
     """
     if goal not in ("lower", "higher"):
         raise ValueError(f"goal must be 'lower' or 'higher', got {goal!r}")
     if aa is not None:
-        floor = noise.noise_floor(*_pairs(before, aa, metric)).floor
+        floor = noise.noise_floor(*_pairs(before, aa, metric))
     a, b = _pairs(before, after, metric)
+    if isinstance(floor, noise.NoiseFloor) and list(floor.a) != a:
+        floor = floor.floor      # the rerun's pairs are not these requests: judge against its band
     c = noise.compare(a, b, floor, higher_is_better=goal == "higher", labels=("before", "after"), word="better")
     iv = c.interval
     out = {"metric": metric, "before": float(pd.Series(a).median()), "after": float(pd.Series(b).median()),
-           "ratio": iv.median, "ratio_ci": (iv.lo, iv.hi), "floor": floor, "pairs": iv.n,
-           "change": iv.median - 1, "verdict": c.text}
+           "ratio": iv.median, "ratio_ci": (iv.lo, iv.hi), "floor": c.floor, "pairs": iv.n,
+           "change": iv.median - 1, "verdict": c.text, "test": c.test}
     note = "" if iv.exact else f" (only {iv.n} pairs: the whole range, not a 95% interval)"
     if c.verdict == "after better":
         return {**out, "decision": "keep", "why": f"better beyond noise{note}"}
@@ -73,7 +78,7 @@ def decide(before, after, metric: str = "ttft_s", *, goal: str = "lower", floor:
         return {**out, "decision": "revert", "why": f"worse beyond noise{note}"}
     return {**out, "decision": "revert",
             "why": f"within noise: the paired interval [{iv.lo:.2f}, {iv.hi:.2f}] reaches the band "
-                   f"{noise.band_text(floor)}, so keep the old setting{note}"}
+                   f"{noise.band_text(c.floor)}, so keep the old setting{note}"}
 
 
 def _target(session: dict[str, Any], target: str):
@@ -142,13 +147,14 @@ class TuningLog:
         return self._append({"trial": "baseline", "knob": None, "config": asdict(session["config"]),
                              "run_dirs": self._dirs(session), "decision": "baseline", "why": note})
 
-    def floor(self, target: str) -> float:
-        """The A/A noise floor of a `"workload:metric"` (0 when the baseline has no repeat)."""
+    def floor(self, target: str) -> noise.NoiseFloor | float:
+        """The A/A `NoiseFloor` of a `"workload:metric"` (the baseline against its repeat, so
+        `decide` can use the rerun as data), or 0.0 when the baseline has no repeat."""
         name, metric = target.split(":", 1)
         runs = (self.base or {}).get("runs", {})
         if name + self.AA not in runs:
             return 0.0
-        return noise.noise_floor(*_pairs(runs[name].df, runs[name + self.AA].df, metric)).floor
+        return noise.noise_floor(*_pairs(runs[name].df, runs[name + self.AA].df, metric))
 
     def trial(self, knob: str, session: dict[str, Any], *, target: str = "users:e2e_s",
               goal: str = "lower", expected: str = "") -> dict[str, Any]:
@@ -202,7 +208,7 @@ def explain_log(frame: pd.DataFrame) -> str:
     for _, r in frame[frame["decision"] != "baseline"].iterrows():
         ci = r.get("ratio_ci")
         # paired: the change is the median of the per-request ratios, which is not the ratio
-        # of the two medians (13 printed "12.4 -> 7.38 (-28%)" with no word on which)
+        # of the two medians (14 printed "12.4 -> 7.38 (-28%)" with no word on which)
         paired = (f"median paired change {r['change']:+.0%}, interval [{ci[0]:.2f}, {ci[1]:.2f}], "
                   f"A/A floor ±{r['floor']:.0%}" if isinstance(ci, (list, tuple)) else f"{r['change']:+.0%}")
         lines.append(f"- `{r['trial']}` on {r['target']}: {r['before']:.3g} → {r['after']:.3g} "

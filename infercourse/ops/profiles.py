@@ -49,7 +49,7 @@ class Profile:
         n_requests: requests per measured level.
         prompt_tokens, max_tokens: the synthetic request's prompt and forced output length.
         soak_s: default soak duration (seconds; 24 h = 86400 is one edit away).
-        contexts: prompt lengths (tokens) for context-growth sweeps (notebook 11).
+        contexts: prompt lengths (tokens) for context-growth sweeps (notebook 12).
         kv_types: KV-cache element types to compare (llama.cpp `-ctk/-ctv`).
         memory_budget_mib: the memory a "when do I run out?" prediction plans for
             (on a GPU: its VRAM; None: this machine's available RAM).

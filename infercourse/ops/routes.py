@@ -7,7 +7,7 @@ conditions that a fair comparison must record (weights, quantization, threads, c
 and a memory reading; servers always stop when the block ends. A route that cannot run
 here is never faked: `route_status` says why (from `ops.doctor.engine_status`), and
 `slow_routes` names those that run here only far too slowly for a notebook (MLX's Linux
-CPU backend, vLLM's CPU build). Notebooks 12 (a fair benchmark) and 17 (the capstone's
+CPU backend, vLLM's CPU build). Notebooks 13 (a fair benchmark) and 21 (the capstone's
 routes A-D) open their routes here.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Watching a server over time: what it holds (RAM, KV cache, queue), sampled at a fixed rate.
 
 A latency percentile says how requests went; a time series says how the *server* went.
-A soak (notebook 14) needs both, because the failures of long runs are slow: resident
+A soak (notebook 15) needs both, because the failures of long runs are slow: resident
 memory that creeps up a few MiB an hour until the OOM killer strikes on day three, a
 queue that grows because a slot leaks, a KV cache that fills as agent contexts grow.
 

@@ -327,7 +327,7 @@ def soak_main(argv: list[str] | None = None) -> int:
         if not a.url:
             from infercourse.servers import LlamaServer
             # --cache-ram 0: the host prompt cache (8 GiB by default) keeps idle slots' prompts in RAM,
-            # a growth of RSS a soak would report as a leak (notebook 14, prompt_cache_step)
+            # a growth of RSS a soak would report as a leak (notebook 15, prompt_cache_step)
             srv = LlamaServer(a.model, n_parallel=a.parallel, ctx_size=a.ctx, threads=a.threads,
                               extra_args=["--cache-ram", "0"])
         r = soak(a.url or srv, soak_workload(a.workload, max_calls=a.max_calls or None), duration_s=duration,

@@ -31,7 +31,7 @@ may change (threads, context, slots, idle sleep) goes in `[*]` here, and the com
 keeps only what the router itself reads. `LLAMA_CACHE` points at an empty folder so the
 router lists our presets only, not models some other tool downloaded.
 
-Combining with the replicas of notebook 19 (`servers.router`): the router only forwards to
+Combining with the replicas of notebook 16 (`servers.router`): the router only forwards to
 the children it spawned from its presets (no external upstream), so model routing cannot sit
 *in front of* a replica group. The other order works (`RouterReplicas`): R routers, each
 serving every model, behind sglang-router, which forwards the body (its `model` field
