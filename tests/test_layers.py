@@ -155,3 +155,35 @@ def test_doctor_on_an_in_process_engine(llamacpp_engine):
     r = doctor_engine(llamacpp_engine, prompt="word " * 3000, max_tokens=8)
     assert r.check("API").status == "skip" and r.check("engine").status == "ok"
     assert r.layer == "context"     # 3000 words do not fit the fixture's 2048-token window
+
+
+def test_a_long_metrics_page_is_read_whole():
+    """/metrics bodies were cut at 300 characters; where the cut fell depended on how many digits
+    the counters had, so under load the page sometimes parsed to nothing (a flaky router test)."""
+    import http.server
+    import threading
+
+    import httpx
+
+    from infercourse.ops.probes import _get, parse_metrics
+    page = "".join(f"# HELP llamacpp:m{i} a counter\n# TYPE llamacpp:m{i} counter\nllamacpp:m{i} {i * 1234.5}\n"
+                   for i in range(40)).encode()
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *a):
+            pass
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with httpx.Client(timeout=10) as c:
+            got = _get(c, f"http://127.0.0.1:{srv.server_port}/metrics")
+        assert len(page) > 300 and parse_metrics(got["body"])["llamacpp:m39_total"] == pytest.approx(39 * 1234.5)
+    finally:
+        srv.shutdown()

@@ -113,7 +113,9 @@ def _get(client: httpx.Client, url: str) -> dict[str, Any]:
     try:
         body: Any = r.json()
     except ValueError:
-        body = r.text[:300]
+        # a whole /metrics page (a cut one fails to parse wherever the cut falls: its length moves
+        # with the counters' digits); an error page only needs its first lines
+        body = r.text[:200_000] if r.status_code < 400 else r.text[:300]
     return {"ok": r.status_code < 400, "status": r.status_code, "body": body,
             "seconds": time.perf_counter() - t0}
 
