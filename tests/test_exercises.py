@@ -1,7 +1,7 @@
 """Self-checks never leak the expected value on a wrong answer; guesses are scored as ratios."""
 import pytest
 
-from infercourse.lessons.exercises import check, choose, score_guess
+from infercourse.lessons.exercises import check, choose, predict_then_measure, score_guess
 
 
 def test_check_hints_without_the_answer(capsys):
@@ -31,3 +31,20 @@ def test_score_guess_ratios_and_the_bound_name(capsys):
     assert score_guess(None, 1.0, 1.0) is None
     with pytest.raises(ValueError):
         score_guess(-1.0, 1.0, 1.0)
+
+
+def test_predict_then_measure_runs_nothing_until_predicted_and_scores_both_ways(capsys):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return 40.0
+    assert predict_then_measure(None, measure) is None and not calls          # unanswered: not run
+    right = predict_then_measure(45.0, measure, unit="tok/s", rtol=0.25)
+    wrong = predict_then_measure(80.0, measure, unit="tok/s", rtol=0.25)
+    assert len(calls) == 2 and right["right"] and not wrong["right"]
+    assert right["ratio"] == pytest.approx(45 / 40) and wrong["ratio"] == pytest.approx(2.0)
+    assert "✓" in capsys.readouterr().out
+    assert predict_then_measure(30.0, lambda: 40.0, rtol=0.25)["right"] is False     # 0.75 < 1/1.25
+    with pytest.raises(ValueError):
+        predict_then_measure(-1.0, measure)

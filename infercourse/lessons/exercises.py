@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-__all__ = ["check", "choose", "score_guess"]
+__all__ = ["check", "choose", "score_guess", "predict_then_measure"]
 
 _UNANSWERED = "… not answered yet: replace `None` with your answer and re-run this cell."
 
@@ -95,3 +95,34 @@ def score_guess(guess: float | None, ceiling: float, measured: float, *, unit: s
           f"guess/measured = {out['guess_over_measured']:.2f}, measured/{bound} = "
           f"{out['measured_over_ceiling']:.0%}; your guess was closer to {closer}.")
     return out
+
+
+def predict_then_measure(prediction: float | None, measure: Any, *, unit: str = "", rtol: float = 0.25,
+                         what: str = "the measurement") -> dict[str, Any] | None:
+    """Score a prediction against a measurement made *after* it was written down.
+
+    Args:
+        prediction: the learner's number for the changed setting (None: nothing is run).
+        measure: a function of no arguments that runs the changed experiment and returns the
+            number (called only once a prediction exists).
+        unit: printed after the numbers.
+        rtol: how close counts as right (0.25: within 25 %), a judgement of what a
+            back-of-envelope prediction can reach, not a property of the machine.
+        what: the name of the measured number, for the printout.
+
+    Returns {"prediction", "measured", "ratio", "right"} or None when unanswered.
+    """
+    if prediction is None:
+        print(_UNANSWERED + f" (nothing is measured until you predict {what})")
+        return None
+    if not (math.isfinite(float(prediction)) and float(prediction) > 0):
+        raise ValueError(f"a prediction must be a positive number, got {prediction!r}")
+    measured = float(measure())
+    if not (math.isfinite(measured) and measured > 0):
+        print(f"{what} could not be measured this time ({measured}): rerun the cell")
+        return None
+    ratio = float(prediction) / measured
+    right = abs(math.log(ratio)) <= math.log1p(rtol)
+    print(f"you predicted {float(prediction):.4g} {unit} · measured {measured:.4g} {unit} · "
+          f"prediction/measured = {ratio:.2f}: " + ("✓ within " if right else "✗ outside ") + f"±{rtol:.0%}")
+    return {"prediction": float(prediction), "measured": measured, "ratio": ratio, "right": right}
