@@ -173,6 +173,10 @@ def test_crash_drill_after_n_answers(server, tmp_path):
     assert 0 < r.summary["drill_at_s"] <= crash["t_s"]                # the drill fired, and said when
     first_life = r.df[r.df["round"] == 0]
     assert (first_life["status"] == "ok").sum() == 2                  # killed right after the 2nd answer
+    from infercourse.lessons.stability import crash_split, drill_cost
+    split = crash_split(r)                                            # the drill is planned, not a crash rate
+    assert split["planned"] == 1 and split["unplanned"] == 0
+    assert drill_cost(r) == int((first_life["status"] == "error").sum())   # one user: its request in flight
 
 
 def test_soak_summary_names_crash_rate_error_rate_and_uptime_with_units():

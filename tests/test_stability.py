@@ -15,11 +15,13 @@ def _result():
                             "rss_mib": 200 + 0.01 * t, "kv_used_frac": 0.3, "up": t != 10,
                             "llamacpp:requests_processing": 2.0, "llamacpp:requests_deferred": 0.0})
     df = pd.DataFrame({"status": ["ok", "ok", "error", "ok"], "scheduled_t": [100.5, 101.0, 110.0, 112.0],
+                       "end_t": [101.0, 109.9, 110.1, 113.0], "round": [0, 0, 0, 1],
                        "ttft_s": [0.2, 0.3, np.nan, 0.4], "e2e_s": [1.0, 1.1, np.nan, 1.2],
                        "prompt_tokens": [500, 1500, np.nan, 1500], "cached_tokens": [0, 1400, np.nan, 100]})
-    events = [{"t_s": 0.0, "event": "soak_start"}, {"t_s": 10.0, "event": "crash"},
-              {"t_s": 10.6, "event": "restart", "took_s": 0.6}]
-    return SoakResult(dir=None, df=df, samples=samples, events=events, summary={}, t0=100.0)
+    events = [{"t_s": 0.0, "event": "soak_start", "pid": 11}, {"t_s": 9.9, "event": "drill_kill", "pid": 11},
+              {"t_s": 10.0, "event": "crash", "pid": 11}, {"t_s": 10.6, "event": "restart", "took_s": 0.6, "pid": 22}]
+    return SoakResult(dir=None, df=df, samples=samples, events=events,
+                      summary={"duration_s": 20.0, "requests": 4, "incomplete_at_end": 0, "uptime_pct": 97.5}, t0=100.0)
 
 
 def test_requests_share_the_samples_clock():
@@ -32,12 +34,70 @@ def test_hit_rate_by_context():
     assert h["hit_rate"].iloc[-1] == (1400 + 100) / 3000 and h["hit_rate"].iloc[0] == 0
 
 
-def test_drift_verdict_says_what_the_interval_allows():
-    up = stability.drift_verdict({"rss_drift_mib_per_h": 12, "rss_drift_lo": 4, "rss_drift_hi": 20}, 600)
-    flat = stability.drift_verdict({"rss_drift_mib_per_h": 3, "rss_drift_lo": -40, "rss_drift_hi": 46}, 30)
-    assert "excludes zero" in up and "grows" in up and "+96 to +480 MiB" in up
-    assert "includes zero" in flat
-    assert "too few" in stability.drift_verdict({}, 30)
+def _drift(s, lo, hi):
+    return {"rss_drift_mib_per_h": s, "rss_drift_lo": lo, "rss_drift_hi": hi}
+
+
+def test_drift_verdict_follows_one_rule_and_flips_with_the_interval():
+    grows, flat, falls = _drift(12, 4, 20), _drift(3, -40, 46), _drift(-12, -20, -4)
+    assert [stability.drift_class(x) for x in (grows, flat, falls, {})] == ["growing", "flat", "shrinking", None]
+    up, level, down = (stability.drift_verdict(x, 30) for x in (grows, flat, falls))
+    assert "**growing**" in up and "excludes zero" in up and "grew" in up
+    assert "cannot tell a leak" in up and "too short to project" in up and "24 h would add" not in up
+    assert "**no drift detectable**" in level and "includes zero" in level and "+46.0 MiB/h" in level
+    assert "**shrinking**" in down and "fell" in down and "no leak claim" in down
+    assert "Too few" in stability.drift_verdict({}, 30)
+
+
+def test_drift_is_projected_to_a_day_only_from_a_long_enough_soak():
+    short = stability.drift_verdict(_drift(12, 4, 20), stability.PROJECT_MIN_S - 1)
+    long_ = stability.drift_verdict(_drift(12, 4, 20), stability.PROJECT_MIN_S)
+    assert "too short to project" in short and "24 h would add" not in short
+    assert "24 h would add +96 to +480 MiB" in long_ and "cannot tell a leak" in long_    # the caveat stays
+    assert "Over 24 h that bound is +1104 MiB" in stability.drift_verdict(_drift(3, -40, 46), 7200)
+    assert "Over 24 h" not in stability.drift_verdict(_drift(3, -40, 46), 60)
+
+
+def test_the_drill_is_counted_apart_from_unplanned_crashes():
+    r = _result()
+    assert stability.crash_split(r) == {"planned": 1, "unplanned": 0, "drill_errors": 1, "other_errors": 0}
+    line = stability.headline(r)
+    assert line.startswith("0 unplanned crashes in 0.00556 h") and "up to 540 /h is not ruled out" in line
+    assert "1 planned kill(s) not counted" in line and "error rate 0.0 % of 3 requests outside the drill" in line
+    assert "1 cut by the drill" in line and "(the drill's restart included)" in line
+    late = _result()                                 # a drill that fired as the window closed: no restart to include
+    late.events = late.events[:2]
+    line = stability.headline(late)
+    assert "1 planned kill(s) not counted" in line and "restart included" not in line
+    # the same crash without a drill is unplanned: counted as a rate, its error too
+    r.events = [e for e in r.events if e["event"] != "drill_kill"]
+    assert stability.crash_split(r) == {"planned": 0, "unplanned": 1, "drill_errors": 0, "other_errors": 1}
+    line = stability.headline(r)
+    assert line.startswith("1 unplanned crash(es) in 0.00556 h (180 /h)") and "planned kill" not in line
+    assert "error rate 25.0 % of 4 requests" in line and "restart included" not in line
+
+
+def test_an_error_before_the_drill_is_not_the_drills():
+    r = _result()
+    r.df.loc[2, "end_t"] = 100.9                 # failed before the last answer of that server life
+    assert stability.drill_cost(r) == 0 and stability.crash_split(r)["other_errors"] == 1
+
+
+def test_hit_rate_story_flips_with_the_numbers():
+    df = pd.DataFrame({"status": "ok", "prompt_tokens": [100] * 5 + [2000] * 5,
+                       "cached_tokens": [0] * 5 + [1900] * 5})
+    long_hits = stability.hit_rate_story(df, bins=2)
+    assert "served 90% of the prompt tokens of the 10 answered request(s)" in long_hits
+    assert "longest prompts (2000 tokens)" in long_hits and "(most of them)" in long_hits
+    assert "drew more from the cache than the short ones" in long_hits and "hint" not in long_hits
+    df["cached_tokens"] = [90] * 5 + [20] * 5
+    short_hits = stability.hit_rate_story(df, bins=2)
+    assert "(almost none of them)" in short_hits and "drew less from the cache" in short_hits
+    df["cached_tokens"] = [50] * 5 + [1000] * 5
+    assert "about as much from the cache as the short ones" in stability.hit_rate_story(df, bins=2)
+    few = stability.hit_rate_story(_result().df, bins=2)
+    assert "(under half of them)" in few and "only 1 request(s)" in few and "a hint, not a trend" in few
+    assert "No request was answered" in stability.hit_rate_story(df.assign(status="error"))
 
 
 def test_plot_marks_restarts_on_every_panel():
@@ -68,11 +128,32 @@ def test_drill_story_is_read_from_the_run_never_assumed():
     assert "No crash drill" in stability.drill_story(_drill({}), None)
     none = stability.drill_story(_drill({"drill_at_s": float("nan")}), 5)
     assert "did not fire" in none and "3 request(s) were answered" in none and "KILL_AFTER = 5" in none
-    fired = stability.drill_story(_drill({"drill_at_s": 9.5}), 1)
-    assert "fired at 9.5 s" in fired and "cost 1 request(s)" in fired and "restarted the server in 0.6 s" in fired
+    fired = stability.drill_story(_drill({"drill_at_s": 9.9}), 1)
+    assert "fired at 9.9 s" in fired and "cost 1 request(s)" in fired and "restarted the server in 0.6 s" in fired
     assert "1 request(s) answered after the restart" in fired          # the ok at t = 12 s
     late = stability.drill_story(_drill({"drill_at_s": 19.9, "restarts": 0}, events=[]), 1)
     assert "not observed" in late and "restarts 0" in late
+
+
+def test_a_soak_folder_reads_back(tmp_path):
+    """`load_soak` rebuilds a result from the files a soak writes (the learner's own, exercise 5)."""
+    import json
+    from infercourse.core.trace import RequestTrace
+    from infercourse.measure.results import RunWriter
+    r = _result()
+    w = RunWriter(tmp_path, {"label": "soak", "engine": {}, "model": "m", "sampling": {}, "load": {}, "workload": {},
+                             "soak": {"duration_s": 20.0, "t0_perf_counter": 100.0}})
+    for i, x in enumerate(r.df.itertuples()):
+        w.write(RequestTrace(i, x.scheduled_t, x.scheduled_t, end_t=x.end_t, status=x.status,
+                             prompt_tokens=None if x.status != "ok" else int(x.prompt_tokens),
+                             tags={"round": x.round}))
+    w.close("ok")
+    r.samples.to_json(tmp_path / "samples.jsonl", orient="records", lines=True)
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in r.events))
+    back = stability.load_soak(tmp_path)
+    assert len(back.df) == 4 and len(back.samples) == len(r.samples) and back.t0 == 100.0
+    assert back.summary["duration_s"] == 20.0 and back.summary["crashes"] == 1
+    assert stability.crash_split(back)["planned"] == 1 and stability.drill_cost(back) == 1
 
 
 def test_drift_halves_compares_interval_widths():

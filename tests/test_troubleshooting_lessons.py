@@ -1,5 +1,6 @@
-"""Notebooks 17, 18 and 21's lessons, the parts that need no server: evidence shown without the
-answer, the guide's suspects beside the layer found, and a route named only beyond noise."""
+"""Notebooks 17, 18 and 21's lessons, mostly the parts that need no server: evidence shown without
+the answer (a failed start with its log's error lines), the guide's suspects beside the layer
+found, and a route named only beyond noise."""
 import numpy as np
 import pandas as pd
 import pytest
@@ -14,6 +15,70 @@ def test_client_errors_lose_their_layer_tags_before_the_guess():
     assert troubleshooting.untagged(err) == "server at 127.0.0.1:5 answered HTTP 400: request exceeds the context"
     assert troubleshooting.untagged("stream cut (API layer). the server may have crashed").endswith("crashed")
     assert troubleshooting.untagged(None) is None
+
+
+# the tail of a real failed start (model truncated to 4 MiB), as llama-server logs it
+FAILED_START = """$ llama-server -m /tmp/x/model.gguf -np 2 -c 1024 --metrics --host 127.0.0.1 --port 43003 -t 1
+[watchdog 13162] started server pid 13163 for parent 13106
+0.00.004.136 I srv  llama_server: initializing ...
+0.00.005.591 W srv  llama_server: security: no API key is set and CORS allows all origins
+0.00.028.442 E llama_model_load: error loading model: tensor 'token_embd.weight' data is not within the file bounds
+0.00.028.487 E llama_model_load_from_file_impl: failed to load model
+0.00.101.465 E llama_model_load: error loading model: tensor 'token_embd.weight' data is not within the file bounds
+0.00.103.362 E srv    load_model: failed to load model, '/tmp/x/model.gguf'
+0.00.103.366 I srv    operator(): operator(): cleaning up before exit...
+[watchdog] server exited by itself with code 1
+"""
+MESSAGE = "llama-server exited (code 1) before it became healthy. Last lines of /c/logs/s.log:"   # saw()'s one line
+
+
+def test_log_evidence_keeps_each_error_line_once_in_order():
+    from infercourse.ops.startfaults import log_evidence
+    lines = log_evidence(FAILED_START)
+    assert len(lines) == 3 and "not within the file bounds" in lines[0] and lines[0].startswith("0.00.028.442 E")
+    assert lines[1].endswith("failed to load model") and "load_model: failed" in lines[2]
+    assert not any(" I " in x or " W " in x or "watchdog" in x for x in lines)
+    assert log_evidence(FAILED_START, n=1) == lines[:1]
+    assert log_evidence("plain text\nERROR: cannot open the file\nfine") == ["ERROR: cannot open the file"]
+    assert log_evidence(None) == [] and log_evidence("0.00.001.000 I all good") == []
+
+
+def test_a_failed_start_shows_its_log_lines_before_the_guess(capsys):
+    from infercourse.ops.startfaults import log_evidence
+    d = troubleshooting.Drill("model_corrupt", "a new model will not run", MESSAGE, "model",
+                              log_lines=log_evidence(FAILED_START), log_path="/c/logs/s.log")
+    d.show_symptom()
+    out = capsys.readouterr().out
+    assert "A client saw: llama-server exited (code 1) before it became healthy.\n" in out   # no dangling "Last lines"
+    assert "Error lines of its log (/c/logs/s.log):" in out and "not within the file bounds" in out
+    troubleshooting.Drill("model_corrupt", "s", MESSAGE, "model").show_symptom()
+    assert "Its log (/c/logs/s.log) holds no error line." in capsys.readouterr().out   # said, never left blank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,evidence", [("model_corrupt", "not within the file bounds"),
+                                            ("memory_limited", "failed to allocate")])
+def test_drills_that_never_start_show_the_servers_own_words(fault, evidence, capsys):
+    """Drills 4 and 6 printed "Last lines of ...log:" and nothing under it: `Injected.saw` keeps
+    the first line of the error only. The log's error lines now travel with the drill."""
+    d = troubleshooting.run_drill(fault, None, seconds=10, timeout_s=3)
+    if d.skipped:
+        pytest.skip(d.skipped)
+    assert any(evidence in x for x in d.log_lines), d.log_lines
+    d.show_symptom()
+    out = capsys.readouterr().out
+    assert evidence in out and "Last lines of" not in out
+
+
+def test_doctor_time_story_splits_at_one_probe_deadline():
+    table = pd.DataFrame({"doctor s": [5.2, 0.1, None]}, index=pd.Index(["frozen", "model_corrupt", "x"], name="fault"))
+    line = troubleshooting.doctor_time_story(table, 5.0)
+    assert "at least one probe deadline (5 s): `frozen` (5.2 s)" in line
+    assert "Under one deadline: `model_corrupt` (0.1 s)" in line
+    flipped = troubleshooting.doctor_time_story(table.assign(**{"doctor s": [0.2, 6.0, None]}), 5.0)
+    assert "(5 s): `model_corrupt` (6.0 s)" in flipped and "Under one deadline: `frozen` (0.2 s)" in flipped
+    assert "Under one deadline: none" in troubleshooting.doctor_time_story(table.iloc[:1], 5.0)
+    assert "No drill was diagnosed" in troubleshooting.doctor_time_story(table.iloc[2:], 5.0)
 
 
 class _Report:

@@ -1,21 +1,27 @@
 """Does it still work after hours? Reading a soak (notebook 15).
 
 The soak itself lives in `infercourse.ops.soak` (the same run as `infercourse soak`);
-this module turns its three records into what a learner looks at:
+this module turns its three records into what a learner looks at, every sentence
+computed from the run's own numbers:
 
 - `plot_soak`: the server over time (RSS with its fitted drift line, KV use and queue,
   per-request latency with errors marked, restarts as vertical lines);
-- `hit_rate_by_context`: how much of each prompt the prefix cache served, as the agent's
-  contexts grow;
-- `drift_verdict`: the slope and its interval in words. A leak claim needs the interval
-  to exclude zero; a short soak usually cannot tell a small leak from noise, which is
-  why real soaks run for 24-72 hours;
-- `drill_story`: what the crash drill did in this run, in words computed from its events
-  (fired or not, inside the window or not, what it cost, whether the load resumed);
+- `hit_rate_by_context` / `hit_rate_story`: how much of each prompt the prefix cache
+  served, as the agent's contexts grow, as a table and in words;
+- `drift_verdict`: the slope and its interval in words, by one rule: an interval that
+  excludes zero says memory grew (or shrank) during the soak; growth alone cannot tell a
+  leak from a cache filling, and a slope is projected to 24 h only from a soak of at
+  least `PROJECT_MIN_S` (an hour: at most a 24-fold extrapolation, past warm-up);
+- `headline`: the guide's three (crash rate, error rate, uptime) with the planned crash
+  drill counted apart from unplanned crashes;
+- `drill_story` / `drill_cost`: what the crash drill did in this run, in words computed
+  from its events (fired or not, inside the window or not, what it cost, whether the load
+  resumed);
 - `prompt_cache_step`: llama-server's host prompt cache (`--cache-ram`, 8 GiB by default)
   keeps an idle slot's prompt in RAM: a step of prompt tokens x KV bytes per token that a
   soak must not call a leak (soaks here run with `--cache-ram 0`);
 - `drift_halves`: the drift interval over the first half of the samples vs all of them;
+- `load_soak`: a soak folder (yours, from `infercourse soak`) read back as a result;
 - `recipe`: the command line for the long version.
 """
 from __future__ import annotations
@@ -27,8 +33,13 @@ import pandas as pd
 
 from infercourse.ops.sampling import drift
 
-__all__ = ["plot_soak", "hit_rate_by_context", "drift_verdict", "recipe", "request_times", "drill_story",
-           "prompt_cache_step", "drift_halves"]
+__all__ = ["plot_soak", "hit_rate_by_context", "hit_rate_story", "drift_verdict", "drift_class", "PROJECT_MIN_S",
+           "headline", "crash_split", "drill_cost", "recipe", "request_times", "drill_story", "prompt_cache_step",
+           "drift_halves", "load_soak"]
+
+# A slope is projected to 24 h only from a soak this long: at most a 24-fold extrapolation, and
+# long past the warm-up (arenas, caches filling) that dominates the first minutes.
+PROJECT_MIN_S = 3600.0
 
 
 def request_times(result) -> pd.DataFrame:
@@ -43,27 +54,147 @@ def hit_rate_by_context(df: pd.DataFrame, bins: int = 4) -> pd.DataFrame:
     """Cached share of prompt tokens per prompt-length bin (ok requests only)."""
     ok = df[(df["status"] == "ok") & df["prompt_tokens"].notna()].copy()
     if not len(ok):
-        return pd.DataFrame(columns=["requests", "prompt_tokens", "cached_tokens", "hit_rate"])
+        return pd.DataFrame(columns=["requests", "shortest", "longest", "prompt_tokens", "cached_tokens", "hit_rate"])
     ok["context"] = pd.cut(ok["prompt_tokens"], bins=min(bins, ok["prompt_tokens"].nunique()))
     g = ok.groupby("context", observed=True)
-    out = g.agg(requests=("prompt_tokens", "size"), prompt_tokens=("prompt_tokens", "sum"),
+    out = g.agg(requests=("prompt_tokens", "size"), shortest=("prompt_tokens", "min"),
+                longest=("prompt_tokens", "max"), prompt_tokens=("prompt_tokens", "sum"),
                 cached_tokens=("cached_tokens", lambda s: s.fillna(0).sum()))
     out["hit_rate"] = out["cached_tokens"] / out["prompt_tokens"]
     return out
 
 
+def _tokens(row) -> str:
+    lo, hi = int(row["shortest"]), int(row["longest"])
+    return f"{lo} tokens" if lo == hi else f"{lo}-{hi} tokens"
+
+
+def hit_rate_story(df: pd.DataFrame, bins: int = 4) -> str:
+    """How much of the prompts the prefix cache served, overall and by prompt length, in words
+    computed from this run (a gap under 10 points between the shortest and longest prompts is
+    called "about as much"; a bin of few requests is said to be one)."""
+    t = hit_rate_by_context(df, bins)
+    if not len(t):
+        return "No request was answered, so there is no prefix-cache hit rate to read."
+    total = t["cached_tokens"].sum() / t["prompt_tokens"].sum()
+    amount = "most" if total > 0.5 else "under half" if total >= 0.1 else "almost none"
+    out = (f"The prefix cache served {total:.0%} of the prompt tokens of the {int(t['requests'].sum())} "
+           f"answered request(s) ({amount} of them).")
+    if len(t) < 2:
+        return out + " All prompts fell in one length bin, so nothing can be said about length."
+    short, long_ = t.iloc[0], t.iloc[-1]
+    gap = long_["hit_rate"] - short["hit_rate"]
+    cmp = ("more from the cache than the short ones" if gap > 0.1 else "less from the cache than the short ones"
+           if gap < -0.1 else "about as much from the cache as the short ones (within 10 points)")
+    out += (f" The longest prompts ({_tokens(long_)}) were served {long_['hit_rate']:.0%} from cache, "
+            f"the shortest ({_tokens(short)}) {short['hit_rate']:.0%}: the long contexts drew {cmp}.")
+    few = int(min(short["requests"], long_["requests"]))
+    if few < 5:
+        out += (f" One of those bins holds only {few} request(s), so one request moves its rate: "
+                "read the comparison as a hint, not a trend.")
+    return out
+
+
+def drift_class(summary: dict[str, Any]) -> str | None:
+    """"growing" / "shrinking" when the drift interval excludes zero, "flat" when it includes
+    it, None without an estimate: the one rule every sentence about drift follows."""
+    lo, hi = (summary.get(k, np.nan) for k in ("rss_drift_lo", "rss_drift_hi"))
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return None
+    return "growing" if lo > 0 else "shrinking" if hi < 0 else "flat"
+
+
 def drift_verdict(summary: dict[str, Any], duration_s: float) -> str:
-    """The RSS drift in one sentence, honest about what a run this short can say."""
+    """The RSS drift in words, by `drift_class`'s rule; projected to 24 h only from a soak of
+    at least `PROJECT_MIN_S` (a projection from seconds would be mostly warm-up, times
+    thousands).
+
+    Args:
+        summary: a `soak_summary` (rss_drift_mib_per_h and its interval).
+        duration_s: how long the soak ran.
+    """
     s, lo, hi = (summary.get(k, np.nan) for k in ("rss_drift_mib_per_h", "rss_drift_lo", "rss_drift_hi"))
-    if not np.isfinite(s):
-        return "too few memory samples for a drift estimate"
-    verdict = ("memory grows: the interval excludes zero" if lo > 0 else
-               "memory shrinks: the interval excludes zero" if hi < 0 else
-               "no drift detectable: the interval includes zero")
-    short = (" A soak this short mostly sees warm-up (buffers and caches filling on the first requests),"
-             " so growth here is not yet a leak: run it longer." if duration_s < 600 and lo > 0 else "")
-    return (f"RSS drift {s:+.1f} MiB/h (95% interval {lo:+.1f} to {hi:+.1f}) over {duration_s / 60:.1f} min: "
-            f"{verdict}. Over 24 h that interval spans {lo * 24:+.0f} to {hi * 24:+.0f} MiB.{short}")
+    kind = drift_class(summary)
+    if kind is None or not np.isfinite(s):
+        return "Too few memory samples for a drift estimate."
+    head = f"RSS drift {s:+.1f} MiB/h (95 % interval {lo:+.1f} to {hi:+.1f}) over {duration_s / 60:.1f} min: "
+    long_enough = duration_s >= PROJECT_MIN_S
+    if kind == "flat":
+        out = (head + "**no drift detectable**: the interval includes zero. Growth slower than "
+               f"{hi:+.1f} MiB/h could still be there, unseen by a run this long.")
+        return out + (f" Over 24 h that bound is {hi * 24:+.0f} MiB." if long_enough and hi > 0 else "")
+    out = head + (f"**{kind}**: the interval excludes zero, so memory {'grew' if kind == 'growing' else 'fell'} "
+                  "during this soak. ")
+    if kind == "shrinking":
+        return out + "Buffers released after warm-up are the usual reason; it supports no leak claim."
+    out += ("Growth alone cannot tell a leak (it never stops) from a cache or allocator arena filling "
+            "(it stops when full). ")
+    if not long_enough:
+        return out + (f"This soak is too short to project: the rule here projects to 24 h only from a soak "
+                      f"of at least {PROJECT_MIN_S / 3600:.0f} h; run it longer and see whether the growth "
+                      "continues or flattens.")
+    return out + (f"At this pace 24 h would add {lo * 24:+.0f} to {hi * 24:+.0f} MiB; whether the pace "
+                  "holds is what the plot (a plateau or not) and a longer soak say.")
+
+
+def _drill_pids(events: list[dict]) -> set:
+    return {e.get("pid") for e in events if e["event"] == "drill_kill"}
+
+
+def drill_cost(result) -> int:
+    """Errors the crash drill caused: those of the server life it ended (a `round`) that
+    failed after that life's last answer (a request that failed earlier had another cause)."""
+    df, events = result.df, result.events
+    if not len(df):
+        return 0
+    crashes = [e for e in events if e["event"] == "crash"]
+    drills = _drill_pids(events)
+    if "round" not in df:       # a folder without rounds: every error is put on the drill
+        return int((df["status"] == "error").sum()) if drills else 0
+    n = 0
+    for i, c in enumerate(crashes):          # the soak's round i ended with crash i
+        if c.get("pid") in drills:
+            life = df[df["round"] == i]
+            last_ok = life.loc[life["status"] == "ok", "end_t"].max()
+            bad = life[life["status"] == "error"]
+            n += int((bad["end_t"] >= last_ok).sum()) if np.isfinite(last_ok) else len(bad)
+    return n
+
+
+def crash_split(result) -> dict[str, Any]:
+    """Planned (drill) and unplanned crashes, and the errors of each kind."""
+    events, df = result.events, result.df
+    drills = _drill_pids(events)
+    crashes = [e for e in events if e["event"] == "crash"]
+    errors = int((df["status"] == "error").sum()) if len(df) else 0
+    cost = drill_cost(result)
+    return {"planned": sum(e["event"] == "drill_kill" for e in events),
+            "unplanned": sum(c.get("pid") not in drills for c in crashes),
+            "drill_errors": cost, "other_errors": errors - cost}
+
+
+def headline(result) -> str:
+    """The guide's three stability numbers, the planned drill counted apart: unplanned crashes
+    per hour (none seen: the rule of three's 95 % bound, 3 / hours soaked, says what a soak
+    this long cannot rule out), the error rate outside the drill, and uptime."""
+    s, c = result.summary, crash_split(result)
+    hours = s.get("duration_s", np.nan) / 3600
+    if c["unplanned"]:
+        crash = f"{c['unplanned']} unplanned crash(es) in {hours:.3g} h ({c['unplanned'] / hours:.3g} /h)"
+    else:
+        crash = (f"0 unplanned crashes in {hours:.3g} h (a rate up to {3 / hours:.3g} /h is not ruled out: "
+                 "3 / hours soaked, at 95 %)")
+    if c["planned"]:
+        crash += f"; the drill's {c['planned']} planned kill(s) not counted"
+    n = s.get("requests", 0) - s.get("incomplete_at_end", 0) - c["drill_errors"]
+    err = (f"error rate {100 * c['other_errors'] / n:.1f} % of {n} requests outside the drill" if n > 0
+           else "error rate: no request outside the drill")
+    err += f" ({c['drill_errors']} cut by the drill, {s.get('incomplete_at_end', 0)} cut off at the end: not counted)"
+    drill_t = min((e["t_s"] for e in result.events if e["event"] == "drill_kill"), default=np.inf)
+    restarted = any(e["event"] == "restart" and e["t_s"] >= drill_t for e in result.events)
+    up = f"uptime {s.get('uptime_pct', np.nan):.1f} % of samples" + (" (the drill's restart included)"
+                                                                     if restarted else "")
+    return " · ".join([crash, err, up])
 
 
 def drill_story(result, kill_after: int | None) -> str:
@@ -82,8 +213,8 @@ def drill_story(result, kill_after: int | None) -> str:
                 f"window, fewer than `KILL_AFTER = {kill_after}`. This run says nothing about recovery: "
                 "lower `KILL_AFTER` or lengthen `SOAK_S`.")
     t = s["drill_at_s"]
-    restart = next((e for e in result.events if e["event"] == "restart"), None)
-    lost = int((df["status"] == "error").sum()) if len(df) else 0
+    restart = next((e for e in result.events if e["event"] == "restart" and e["t_s"] >= t), None)
+    lost = drill_cost(result)
     if restart is None:
         return (f"The crash drill fired at {t:.1f} s, too late for a restart inside the "
                 f"{s['duration_s']:.0f}-s window: restarts 0, so recovery was **not observed** here.")
@@ -179,6 +310,30 @@ def plot_soak(result, *, axes=None):
         ax[0].text(restarts[0], ax[0].get_ylim()[1], " restart", color="red", va="top", fontsize=8)
     ax[0].figure.tight_layout()
     return ax
+
+
+def load_soak(folder):
+    """A soak folder (`infercourse soak --out FOLDER`, or this notebook's) read back as a
+    `SoakResult`, its summary recomputed from the files.
+
+    Args:
+        folder: the soak's results folder (requests.jsonl, samples.jsonl, events.jsonl, manifest.json).
+    """
+    import json
+    from pathlib import Path
+
+    from infercourse.measure.results import load_run
+    from infercourse.ops.sampling import load_samples, soak_summary
+    from infercourse.ops.soak import SoakResult
+    from infercourse.ops.supervisor import EVENTS
+    d = Path(folder).expanduser()
+    man = json.loads((d / "manifest.json").read_text(encoding="utf-8"))
+    df, samples = load_run(d).df, load_samples(d)
+    ev = d / EVENTS
+    events = [json.loads(x) for x in ev.read_text(encoding="utf-8").splitlines() if x.strip()] if ev.exists() else []
+    soak = man.get("soak", {})
+    return SoakResult(d, df, samples, events, soak_summary(df, samples, events, soak["duration_s"]),
+                      soak.get("t0_perf_counter", 0.0))
 
 
 def recipe(duration: str = "24h", *, concurrency: int = 4, workload: str = "mix") -> str:

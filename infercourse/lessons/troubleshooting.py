@@ -5,14 +5,15 @@ one that fails. A drill (`run_drill`) injects one fault from the fault lab, reco
 client saw, runs `doctor layers` while the fault is in place, and undoes it, all in one
 call, so no fault ever outlives a cell. The notebook shows the evidence first (the symptom
 and what a client saw, with the library's own "(... layer)" tags taken out: they would give
-the answer away); the learner names a layer; only then does `reveal` print the doctor's
-report.
+the answer away, and, for a server that never started, the error lines of its log); the
+learner names a layer; only then does `reveal` print the doctor's report. `doctor_time_story`
+says, from the run, which diagnoses waited out a probe's deadline.
 """
 from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -21,7 +22,7 @@ from infercourse.core.errors import LAYERS, InferCourseError
 from infercourse.ops.faults import FAULTS, run_fault
 
 __all__ = ["PROCEDURE", "NOT_HERE", "OPTIONS", "Drill", "key_of", "procedure_table", "run_drill", "drills_table",
-           "untagged", "reveal"]
+           "untagged", "reveal", "doctor_time_story"]
 
 PROCEDURE = [  # (layer, the question, the evidence that answers it)
     ("API", "Does anything answer, in the OpenAI schema, with a stream and usage?", "/v1/models, one streamed request"),
@@ -44,6 +45,7 @@ NOT_HERE = {
 
 OPTIONS = {chr(ord("a") + i): layer for i, layer in enumerate(LAYERS)}
 _TAG = re.compile(r"\s*\((?:%s) layer\)" % "|".join(re.escape(x) for x in LAYERS))
+_TAIL = re.compile(r"\s*Last lines of (\S+):\s*$")   # a failed start's message; its lines are in log_lines
 
 
 def untagged(text: str | None) -> str | None:
@@ -71,14 +73,27 @@ class Drill:
     report: Any = None
     seconds: float = 0.0
     skipped: str | None = None
+    log_lines: list[str] = field(default_factory=list)   # a failed start: its log's error lines
+    log_path: str | None = None
 
     def show_symptom(self) -> None:
-        """What the user sees, and nothing more (the layer comes after your guess)."""
+        """What the user sees, and nothing more (the layer comes after your guess); a server
+        that never started also shows the error lines of its log."""
         if self.skipped:
             print(f"[{self.fault}] skipped on this machine: {self.skipped}")
             return
+        said = untagged(self.client_error)
+        tail = _TAIL.search(said or "")
+        if tail:            # the message ends "Last lines of LOG:"; the lines come below
+            said = said[:tail.start()]
         print(f"Symptom: {self.symptom}")
-        print(f"A client saw: {untagged(self.client_error) or 'no error, only slowness'}")
+        print(f"A client saw: {said or 'no error, only slowness'}")
+        if self.log_lines:
+            print(f"Error lines of its log ({self.log_path or (tail.group(1) if tail else 'the server log')}):")
+            for line in self.log_lines:
+                print(f"    {line}")
+        elif tail:
+            print(f"Its log ({tail.group(1)}) holds no error line.")
 
     def why(self) -> str:
         """The reason, shown once the learner has chosen."""
@@ -109,7 +124,8 @@ def run_drill(name: str, server=None, *, seconds: float = 20.0, timeout_s: float
         r = run_fault(name, server, seconds=seconds, timeout_s=timeout_s)
     except InferCourseError as e:
         return Drill(name, f.symptom, None, f.layer, skipped=str(e), seconds=time.perf_counter() - t0)
-    return Drill(name, f.symptom, r.client_error, f.layer, r.report, time.perf_counter() - t0)
+    return Drill(name, f.symptom, r.client_error, f.layer, r.report, time.perf_counter() - t0,
+                 log_lines=list(r.notes.get("log_lines") or []), log_path=r.notes.get("log"))
 
 
 def reveal(drill: Drill, my_layer: str | None, grade) -> bool | None:
@@ -135,3 +151,19 @@ def reveal(drill: Drill, my_layer: str | None, grade) -> bool | None:
 def drills_table(drills: list[Drill]) -> pd.DataFrame:
     """One row per drill: expected layer, the doctor's answer, and its time."""
     return pd.DataFrame([d.row() for d in drills]).set_index("fault")
+
+
+def doctor_time_story(table: pd.DataFrame, timeout_s: float) -> str:
+    """Which drills cost the doctor at least one probe deadline and which less, from this run.
+
+    Args:
+        table: `drills_table`.
+        timeout_s: the probes' deadline (`PROBE_TIMEOUT_S`).
+    """
+    t = table.dropna(subset=["doctor s"])
+    if not len(t):
+        return "No drill was diagnosed, so there is no diagnosis time to read."
+    fmt = lambda d: ", ".join(f"`{i}` ({v:.1f} s)" for i, v in d["doctor s"].items()) or "none"   # noqa: E731
+    waited, quick = t[t["doctor s"] >= timeout_s], t[t["doctor s"] < timeout_s]
+    return (f"Diagnoses that took at least one probe deadline ({timeout_s:g} s): {fmt(waited)}. "
+            f"Under one deadline: {fmt(quick)}.")

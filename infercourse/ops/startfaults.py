@@ -10,6 +10,7 @@ say about the template. Each function here is a context manager used by
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +23,7 @@ from infercourse.models.embedded import embedded_gguf
 from infercourse.servers.llama import LlamaServer
 
 __all__ = ["small_server", "memory_limited", "memory_growth", "model_file", "template_breaks_tools",
-           "BROKEN_TEMPLATE"]
+           "BROKEN_TEMPLATE", "log_evidence"]
 
 
 def small_server(**kw: Any) -> LlamaServer:
@@ -45,12 +46,36 @@ class _Limited(LlamaServer):
         return [sys.executable, "-c", wrap, str(self.limit_bytes), *super().argv()]
 
 
+# llama.cpp's log lines: "0.00.028.442 E llama_model_load: error loading model: ..."
+_LEVEL = re.compile(r"^\s*\d+(?:\.\d+)+\s+([DIWET])\s+(.*)$")
+_BAD = re.compile(r"\b(error|failed|cannot|insufficient|out of memory)\b", re.I)
+
+
+def log_evidence(text: str | None, n: int = 8) -> list[str]:
+    """The error lines of a server log's tail, in order, each message once (llama.cpp often
+    logs the same failure twice): the evidence a failed start leaves.
+
+    Args:
+        text: the log tail.
+        n: at most this many lines.
+    """
+    out, seen = [], set()
+    for line in (text or "").splitlines():
+        m = _LEVEL.match(line)
+        msg = m.group(2).strip() if m else line.strip()
+        if (m.group(1) == "E" if m else bool(_BAD.search(line))) and msg not in seen:
+            seen.add(msg)
+            out.append(line.strip())
+    return out[:n]
+
+
 def _start_failing(f, srv) -> None:
     try:
         srv.start()
         f.notes["started"] = True   # it should not have: the doctor will say it is healthy
     except InferCourseError as e:
-        f.saw(e)
+        f.saw(e)     # one line, ending "Last lines of LOG:": the lines themselves are kept here
+        f.notes.update(log=str(srv.log_path), log_lines=log_evidence(srv.log_tail(60)))
     f.url, f.server = srv.url, srv
 
 
