@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from infercourse.core import summary
 from infercourse.core.trace import RequestTrace
 from infercourse.lessons import classic_problems as CP
 from infercourse.lessons import tuning as T
@@ -53,7 +54,8 @@ def test_stage_shares_without_server_timings_refuse_to_guess():
 
 
 def _frame(values):
-    return pd.DataFrame({"status": "ok", "ttft_s": values})
+    # served in row order: place in the queue k = row k
+    return pd.DataFrame({"status": "ok", "ttft_s": values, "first_token_t": np.arange(len(values), dtype=float)})
 
 
 def test_decide_keeps_only_a_change_beyond_noise():
@@ -193,9 +195,45 @@ def test_production_workloads_and_overflow():
     assert len(tok(r.messages[0]["content"])) == 110
 
 
-def test_p95_over_p50_is_tail_over_median():
-    df = pd.DataFrame({"status": "ok", "ttft_s": [1.0] * 19 + [21.0]})
-    assert CP.p95_over_p50(df) == pytest.approx(np.percentile(df.ttft_s, 95) / 1.0)
+def test_tail_text_gives_no_p95_from_a_handful_of_requests():
+    few = pd.DataFrame({"status": "ok", "ttft_s": [1.0, 1.1, 1.2, 1.3, 1.4, 6.0]})
+    t = CP.tail_text(few)
+    need = summary.min_n(0.95)                  # the rule of core.summary (and notebook 10)
+    assert f"p95: n too small (an interval needs {need} requests, have 6)" in t and "p95/p50" not in t
+    assert "p50 1.25 s [1, 6]" in t and "the slowest of these 6 took 4.8× their median" in t
+    many = pd.DataFrame({"status": "ok", "ttft_s": np.r_[np.ones(95), np.full(5, 3.0)]})
+    t = CP.tail_text(many)
+    assert "n too small" not in t and "p95/p50 = " in t
+    three = pd.DataFrame({"status": "ok", "ttft_s": [1.0, 2.0, 3.0]})
+    assert CP.tail_text(three).startswith("TTFT p50: n too small (an interval needs 6 requests, have 3)")
+    assert CP.median_text(three) == "p50: n too small (an interval needs 6 requests, have 3)"
+    assert CP.median_text(few) == "p50 1.25 s [1, 6]"
+
+
+def _run(df, **load):
+    return SimpleNamespace(df=df, manifest={"load": load, "sampling": {"max_tokens": 8}})
+
+
+def test_like_for_like_says_when_counts_differ_and_flips_with_the_numbers():
+    ids = np.arange(6)
+    base = pd.DataFrame({"status": "ok", "request_id": ids, "first_token_t": ids * 1.0,
+                         "e2e_s": 1.0 + 0.1 * ids})
+    users = _run(base, pattern="concurrency", concurrency=4)
+    cut = _run(base.assign(e2e_s=base.e2e_s * 0.5), pattern="concurrency", concurrency=4)
+    longer = _run(base.assign(e2e_s=base.e2e_s * 2.0), pattern="concurrency", concurrency=4)
+    same = CP.like_for_like({"users": users, "short": cut}, "e2e_s", floor=0.1)
+    assert same.startswith("users and short each sent 6 requests from 4 users at once") and "short faster" in same
+    worse = CP.like_for_like({"users": users, "short": longer}, "e2e_s", floor=0.1)
+    assert "users faster" in worse and "short faster" not in worse
+    noisy = CP.like_for_like({"users": users, "short": _run(base.assign(e2e_s=base.e2e_s * 1.02),
+                                                             pattern="concurrency", concurrency=4)}, floor=0.1)
+    assert "within noise" in noisy and "faster" not in noisy.split(":", 2)[-1]
+    fewer = CP.like_for_like({"users": users, "short": _run(cut.df.iloc[:4], pattern="concurrency", concurrency=4)})
+    assert fewer.startswith("Not like with like: users sent 6 requests and short sent 4") and "longer queue" in fewer
+    local = _run(base, pattern="sequential")
+    prod = _run(base, pattern="poisson", rate_rps=1.5)
+    mixed = CP.like_for_like({"one user": local, "production": prod}, "e2e_s", by="request")
+    assert "one user sent them one at a time, production as independent arrivals at 1.5 requests/s" in mixed
 
 
 @pytest.mark.slow
@@ -233,6 +271,8 @@ def test_tail_table_predicts_the_cap_from_medians():
     assert list(t.index) == ["a"]
     assert t.loc["a", "tpot_p50_s"] == pytest.approx(0.1)          # 0.4 s over 4 gaps
     assert t.loc["a", "e2e_at_cap_s"] == pytest.approx(0.2 + 4 * 0.1) == t.loc["a", "e2e_p50_s"]
+    assert t.loc["a", "requests"] == 6 and t.loc["a", "e2e_p50_interval"] == "[0.6, 0.6]"
+    assert t.loc["a", "e2e_p95"] == f"p95: n too small (an interval needs {summary.min_n(0.95)} requests, have 6)"
 
 
 def test_tuning_log_judges_trials_against_the_baselines_aa_repeat(tmp_path):
@@ -268,3 +308,80 @@ def test_the_log_passes_the_floor_object_so_its_rerun_is_data(tmp_path):
     assert bare["decision"] == "revert" and "within noise" in bare["why"]
     kept = log.trial("n_parallel", after, target="users:ttft_s")
     assert kept["decision"] == "keep" and "relabelled" in kept["test"]
+
+
+# ---- the queue race: one slot, C users sending at once, a different order every run ----------
+def _one_slot_run(rng, *, order_seed, n=6, c=4, service=1.0, sigma=0.03, prefill=0.3, speed=1.0):
+    """A closed-loop run against ONE slot: requests 0..c-1 are sent at t=0 and queue in an order
+    that is a race (`order_seed` shuffles it); each later request is sent when a user's last
+    one ends. Every request has the same work (equal prompts and answers), times `speed` and
+    a lognormal noise of `sigma`. Returns the per-request frame with the stage columns."""
+    from infercourse.core.metrics import per_request_frame
+    work = service * speed * np.exp(rng.normal(0, sigma, n))
+    queue = list(np.random.default_rng(order_seed).permutation(c))
+    arrival, t_free, nxt, traces = {i: 0.0 for i in range(c)}, 0.0, c, []
+    while queue:
+        i = queue.pop(0)
+        start = max(t_free, arrival[i])
+        first, end = start + prefill * work[i], start + work[i]
+        traces.append(RequestTrace(request_id=int(i), scheduled_t=arrival[i], sent_t=arrival[i],
+                                   chunk_t=list(np.linspace(first, end, 5)), chunk_tokens=[1] * 5, end_t=end,
+                                   prompt_tokens=10, completion_tokens=5,
+                                   engine_timings={"prompt_ms": 1e3 * prefill * work[i]}))
+        t_free = end
+        if nxt < n:                      # that user sends its next request now
+            arrival[nxt] = end
+            queue.append(nxt)
+            nxt += 1
+    run = SimpleNamespace(traces=traces, df=per_request_frame(traces))
+    T.add_stages(run)
+    return run.df
+
+
+def test_service_time_is_e2e_minus_the_wait_for_a_slot():
+    df = _one_slot_run(np.random.default_rng(0), order_seed=1, sigma=0.0)
+    assert df["service_s"].to_numpy() == pytest.approx(np.ones(6))          # the same work, wherever it queued
+    assert sorted(df["queue_s"].round(6)) == pytest.approx([0, 1, 2, 3, 3, 3])
+    assert (df["e2e_s"] - df["queue_s"] - df["service_s"]).abs().max() < 1e-12
+
+
+def test_pairing_by_place_gives_the_true_noise_when_the_queue_order_is_shuffled():
+    """The same config twice (A/A), 3% noise per request, the queue race turned out differently:
+    pairing a queued time by request compares the first in line with the last and reports a
+    floor of hundreds of percent; by place (and the service time by request) it finds the 3%."""
+    from infercourse.measure import noise as N
+    from infercourse.measure.tuning_log import pairs, queue_order
+    rng = np.random.default_rng(7)
+    a, a2 = _one_slot_run(rng, order_seed=1), _one_slot_run(rng, order_seed=2)
+    assert queue_order(a)[:4] != queue_order(a2)[:4]
+    old = N.noise_floor(*pairs(a, a2, "ttft_s", "request")).floor
+    new = {m: N.noise_floor(*pairs(a, a2, m, by)).floor
+           for m, by in (("ttft_s", "place"), ("e2e_s", "place"), ("service_s", "request"))}
+    assert old > 1.0                                       # the race, read as noise
+    assert all(f < 0.2 for f in new.values()), new         # sigma = 3% per run: the range of 6 ratios
+    text = T.pairing_text(a, a2)
+    assert "places changed hands" in text and "mostly the race for the slot" in text
+    same = T.pairing_text(a, _one_slot_run(rng, order_seed=1))
+    assert "The same order both times" in same and "changed hands" not in same
+
+
+def test_the_log_keeps_a_real_service_cut_that_the_queue_race_hid(tmp_path):
+    """Baseline, its A/A rerun and a trial 20% faster per request, each with its own queue order:
+    the log (service time by request, E2E by place) keeps it; pairing E2E by request, the same
+    data say nothing."""
+    rng = np.random.default_rng(3)
+    runs = [_one_slot_run(rng, order_seed=s, speed=v) for s, v in ((1, 1.0), (2, 1.0), (3, 0.8))]
+    dirs = lambda name: tmp_path / name          # noqa: E731
+    base = T.ServerConfig(n_parallel=1, threads=1)
+    session = {"config": base, "runs": {"users": SimpleNamespace(df=runs[0], dir=dirs("a")),
+                                        "users A/A": SimpleNamespace(df=runs[1], dir=dirs("aa"))}}
+    log = T.TuningLog(tmp_path)                  # guard: users:e2e_s, paired by place
+    log.baseline(session)
+    trial = {"config": base.change(threads=2), "runs": {"users": SimpleNamespace(df=runs[2], dir=dirs("b"))}}
+    target, goal, _ = T.TARGETS["threads"]
+    kept = log.trial("threads", trial, target=target, goal=goal)
+    assert target == "users:service_s" and kept["decision"] == "keep" and kept["paired_by"] == "request"
+    assert "(better beyond noise)" in kept["guard"]
+    by_request = T.decide(runs[0], runs[2], "e2e_s", aa=runs[1], pair_by="request")
+    assert by_request["decision"] == "revert" and by_request["floor"] > 1.0
+    assert "paired change by request" in T.explain_log(log.frame())

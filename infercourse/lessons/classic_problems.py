@@ -12,6 +12,12 @@ is computed.
 "Fast locally, slow in production" is mostly queueing: a one-user test sends the next
 request after the last one ends; real users arrive independently (a Poisson process), so
 bursts queue even when the average rate is below capacity.
+
+A tail percentile needs many requests: a p95 with a 95% interval needs dozens of them
+(`core.summary.min_n(0.95)`), so the few requests of a lesson-sized run give a median with its
+interval and say "n too small" for the p95 rather than print a number nobody can trust.
+Two runs are compared only like with like: `like_for_like` says when they sent different
+numbers of requests or a different load, because a shorter queue lowers TTFT by itself.
 """
 from __future__ import annotations
 
@@ -24,9 +30,13 @@ import psutil
 
 from infercourse.core import summary
 from infercourse.core.types import Request
+from infercourse.measure import claims, noise
+from infercourse.measure.tuning_log import pairing, pairs
 
 __all__ = ["PROBLEMS", "problems_frame", "KV_BYTES", "predicted_kv_mib", "max_context_tokens",
-           "quality_drop", "production_workloads", "overflow_request", "p95_over_p50", "tail_table"]
+           "quality_drop", "production_workloads", "overflow_request", "percentile_text", "median_text", "tail_text",
+           "tail_table",
+           "load_text", "like_for_like"]
 
 # symptom, where to look first, knobs (from llama.cpp's server docs and the course's lessons)
 PROBLEMS = {
@@ -148,24 +158,113 @@ def overflow_request(tokenize, ctx_per_slot: int, *, extra: int = 64) -> Request
                    max_tokens=4)
 
 
-def p95_over_p50(df: pd.DataFrame, metric: str = "ttft_s") -> float:
-    """Tail over median of one metric (point estimates: with few requests there is no
-    interval for p95, so read it as a symptom, not a measurement)."""
-    s = summary.summarize(df, [metric]).loc[metric]
-    return float(s["p95"] / s["p50"])
+def percentile_text(s: pd.DataFrame, metric: str, p: int, *, unit: str = "s", value: bool = True) -> str:
+    """One percentile of a `summary.summarize` row with its interval, or, when the run has too
+    few requests for one, "n too small" and no value (a p95 of six requests is one of them).
+
+    Args:
+        s: a `summarize` result; metric: its row; p: 50, 90, 95 or 99; unit: seconds shown as is.
+        value: False: the interval alone ("[lo, hi]"), for a table that shows the value beside it.
+    """
+    r = s.loc[metric]
+    if np.isnan(r[f"p{p}_lo"]):
+        need = summary.min_n(p / 100, s.attrs.get("ci", 0.95))
+        return f"{f'p{p}: ' if value else ''}n too small (an interval needs {need} requests, have {int(r['count'])})"
+    iv = f"[{r[f'p{p}_lo']:.3g}, {r[f'p{p}_hi']:.3g}]"
+    return f"p{p} {r[f'p{p}']:.3g} {unit} {iv}" if value else iv
+
+
+def median_text(df: pd.DataFrame, metric: str = "ttft_s", unit: str = "s") -> str:
+    """A run's median of one metric with its interval, or "n too small" (`percentile_text`)."""
+    s = summary.summarize(df, [metric])
+    return percentile_text(s, metric, 50, unit=unit) if "p50" in s and s.loc[metric, "count"] else "p50: none finished"
+
+
+def tail_text(df: pd.DataFrame, metric: str = "ttft_s", name: str = "TTFT") -> str:
+    """The median and the tail of one metric, as far as this many requests can show them: p50
+    with its interval, p95 with its interval or "n too small", and then (without a p95) only
+    the spread of these requests: the slowest over the median.
+
+    Args:
+        df: a per-request frame; metric: its column; name: how the sentence calls it.
+    """
+    s = summary.summarize(df, [metric])
+    if "p50" not in s or not s.loc[metric, "count"]:
+        return f"{name}: no request finished"
+    r = s.loc[metric]
+    head = f"{name} {percentile_text(s, metric, 50)}; {percentile_text(s, metric, 95)}"
+    if not np.isnan(r["p95_lo"]):
+        return f"{head}: p95/p50 = {r['p95'] / r['p50']:.2g}"
+    return f"{head}; the slowest of these {int(r['count'])} took {r['max'] / r['p50']:.2g}× their median"
 
 
 def tail_table(runs: dict[str, Any]) -> pd.DataFrame:
-    """max_tokens against the tail: per run, TTFT/TPOT/E2E medians, E2E p95 (a point
-    estimate with few requests) and the E2E a request at the cap should take,
-    TTFT + (max_tokens - 1) x TPOT, from the medians."""
+    """max_tokens against the tail: per run, the requests sent, TTFT/TPOT/E2E medians, the
+    E2E median's interval and p95 (each "n too small" when the run has too few requests for
+    one) and the E2E a request at the cap should take, TTFT + (max_tokens - 1) x TPOT."""
     rows = {}
     for name, r in runs.items():
         s = summary.summarize(r.df, ["ttft_s", "tpot_s", "e2e_s"])
-        if "p50" not in s:
+        if "p50" not in s or not s.loc["e2e_s", "count"]:
             continue                      # nothing finished: no latency to show
         m = r.manifest["sampling"]["max_tokens"]
-        rows[name] = {"max_tokens": m, "ttft_p50_s": s.loc["ttft_s", "p50"], "tpot_p50_s": s.loc["tpot_s", "p50"],
-                      "e2e_p50_s": s.loc["e2e_s", "p50"], "e2e_p95_s": s.loc["e2e_s", "p95"],
+        rows[name] = {"requests": len(r.df), "max_tokens": m, "ttft_p50_s": s.loc["ttft_s", "p50"],
+                      "tpot_p50_s": s.loc["tpot_s", "p50"], "e2e_p50_s": s.loc["e2e_s", "p50"],
+                      "e2e_p50_interval": percentile_text(s, "e2e_s", 50, value=False),
+                      "e2e_p95": percentile_text(s, "e2e_s", 95),
                       "e2e_at_cap_s": s.loc["ttft_s", "p50"] + (m - 1) * s.loc["tpot_s", "p50"]}
     return pd.DataFrame(rows).T
+
+
+def load_text(load: dict[str, Any]) -> str:
+    """How a run sent its requests, from its manifest's `load`."""
+    pat = load.get("pattern")
+    if pat == "concurrency":
+        return f"from {load.get('concurrency')} users at once"
+    if pat == "sequential":
+        return "one at a time"
+    if pat in ("poisson", "rate"):
+        kind = "independent" if pat == "poisson" else "evenly spaced"
+        return f"as {kind} arrivals at {load.get('rate_rps'):.3g} requests/s"
+    return f"as {pat}"
+
+
+def like_for_like(runs: dict[str, Any], metric: str = "e2e_s", *, floor: float = 0.0, by: str | None = None,
+                  what: str = "") -> str:
+    """Two runs of (nominally) the same requests compared on one metric, saying first whether
+    the comparison is like with like: the same number of requests sent the same way, or not,
+    and what a difference there does. Then the paired comparison (`noise.compare` against the
+    A/A band ±floor, in `claims.verdict_sentence`'s words).
+
+    Args:
+        runs: {name: run} with exactly two runs (a `BenchResult`: `df` and `manifest`); the
+            first is the reference.
+        metric: the per-request column compared.
+        floor: the A/A noise floor (a fraction) the difference must clear.
+        by: "request" or "place" (`tuning_log.pairs`; None: `pairing(metric)`): requests whose
+            place in the queue is set by a schedule, not by a race, may be paired by request.
+        what: the quantity's name in the sentence (default: the metric).
+    """
+    if len(runs) != 2:
+        raise ValueError(f"compare exactly two runs, got {list(runs)}")
+    (na, a), (nb, b) = runs.items()
+    la, lb = a.manifest.get("load", {}), b.manifest.get("load", {})
+    n_a, n_b = len(a.df), len(b.df)
+    how_a, how_b = load_text(la), load_text(lb)
+    if n_a == n_b and how_a == how_b:
+        head = (f"{na} and {nb} each sent {n_a} requests {how_a}: the same queue, so a difference is the "
+                f"one change between them.")
+    else:
+        parts = []
+        if n_a != n_b:
+            parts.append(f"{na} sent {n_a} requests and {nb} sent {n_b}: only the first {min(n_a, n_b)} pair up, "
+                         f"and more requests behind one another make a longer queue, which raises TTFT and E2E "
+                         f"by itself")
+        if how_a != how_b:
+            parts.append(f"{na} sent them {how_a}, {nb} {how_b}: the difference below includes that change")
+        head = "Not like with like: " + "; ".join(parts) + "."
+    x, y = pairs(a.df, b.df, metric, by or pairing(metric))
+    if not x:
+        return f"{head} No request finished in both runs: nothing to compare."
+    c = noise.compare(x, y, floor, labels=(na, nb), word="faster" if metric.endswith("_s") else "higher")
+    return f"{head} {claims.verdict_sentence(c, what or metric)}"

@@ -7,8 +7,12 @@ move by tens of percent on their own. The discipline:
    request's end-to-end time (E2E) was **queueing** (waiting for a free slot), **prefill**
    (the server's own `timings.prompt_ms`) and **decode** (first token to last)?
 2. Change exactly one knob aimed at the biggest share.
-3. Measure the same workload again and compare a percentile *with its interval*: keep the
-   change only if the whole interval moved the right way; otherwise revert.
+3. Measure the same workload again and compare it pair by pair against the noise floor
+   (the baseline measured twice): keep the change only if it is better beyond that noise;
+   otherwise revert. A time that includes the wait for a slot (TTFT, E2E) is paired by
+   place in the queue, a time without it (the service time, E2E minus the wait) by request:
+   with several users racing for one slot, which request waits where changes from run to
+   run (`measure.tuning_log`).
 4. Write down what was tried, the numbers and why it was kept or reverted (`TuningLog`,
    an append-only `log.jsonl` beside each trial's run folder with its conditions).
 
@@ -35,11 +39,11 @@ from infercourse.measure import bench
 from infercourse.measure.results import new_run_dir
 # The keep/revert rule and the log are not llama-server's: they live in the measure layer
 # (re-exported here, so the notebook reads one module).
-from infercourse.measure.tuning_log import TuningLog, decide, explain_log
+from infercourse.measure.tuning_log import TuningLog, decide, explain_log, pairing_text
 
-__all__ = ["Lab", "setup", "ServerConfig", "serve_and_measure", "tuning_workloads", "stage_shares", "bottleneck", "ADVICE",
-           "TARGETS", "predicted_queue_share", "plot_stages", "decide", "TuningLog", "explain_log", "kv_cache_mib_from_log",
-           "compute_mib_from_log"]
+__all__ = ["Lab", "setup", "ServerConfig", "serve_and_measure", "tuning_workloads", "stage_shares", "add_stages",
+           "bottleneck", "ADVICE", "TARGETS", "predicted_queue_share", "plot_stages", "decide", "TuningLog",
+           "explain_log", "pairing_text", "kv_cache_mib_from_log", "compute_mib_from_log"]
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,8 @@ def serve_and_measure(config: ServerConfig, workloads: dict[str, Any], *, result
 
     Returns {"config", "runs": {name: BenchResult}, "rss_mb": server RSS after the runs,
     "kv_cache_mib": the KV cache size the server logged, "<name>_cached_tokens": prompt
-    tokens served from the cache in each run}.
+    tokens served from the cache in each run}. Each run's `df` gains `queue_s`, `prefill_s`
+    and `service_s` (`add_stages`).
 
     Args:
         config: the server's knobs (recorded in every run's manifest under `server_config`).
@@ -151,8 +156,9 @@ def serve_and_measure(config: ServerConfig, workloads: dict[str, Any], *, result
         engine = srv.engine()
         for name, (wl, kw) in workloads.items():
             r = out["runs"][name] = bench.run(engine, wl, label=name, progress=False,
-                                              out_dir=new_run_dir(results_root, name),
+                                              out_dir=new_run_dir(results_root, re.sub(r"[^\w.-]+", "_", name)),
                                               conditions={"server_config": asdict(config)}, **{**run_kw, **kw})
+            add_stages(r)
             # prompt tokens the server reused from its cache: a count, not a noisy timing
             out[f"{name}_cached_tokens"] = float(r.df["cached_tokens"].fillna(0).sum()) if len(r.df) else math.nan
         try:
@@ -213,6 +219,20 @@ def stage_shares(traces: Iterable[RequestTrace]) -> pd.DataFrame:
     return df
 
 
+def add_stages(run) -> pd.DataFrame:
+    """Add `queue_s`, `prefill_s` and `service_s` (= E2E - queue_s: the time the request
+    itself took once a slot had it) to a run's per-request `df`, from `stage_shares` of its
+    traces (NaN without server timings). The service time is what a knob acting on the
+    work (threads, prompt batches) changes, and it does not depend on the place in the queue.
+    """
+    st = stage_shares(run.traces).set_index("request_id")
+    df = run.df
+    for col in ("queue_s", "prefill_s"):
+        df[col] = df["request_id"].map(st[col]) if len(df) else pd.Series(dtype=float)
+    df["service_s"] = df["e2e_s"] - df["queue_s"] if len(df) else pd.Series(dtype=float)
+    return df
+
+
 ADVICE = {"queue": "more slots (-np) or fewer concurrent users (admission control)",
           "prefill": "prompt batch (-b/-ub), prefix reuse (cache_prompt, --cache-reuse), shorter prompts",
           "decode": "threads (-t), a smaller quantization, batching more users (-np), a lower max_tokens"}
@@ -229,13 +249,15 @@ def bottleneck(shares: pd.DataFrame) -> dict[str, Any]:
     return {"stage": top, "shares": frac, "advice": ADVICE[top]}
 
 
-# knob -> (target the trial is judged on, better when, the hypothesis logged with it)
+# knob -> (target the trial is judged on, better when, the hypothesis logged with it). A knob
+# aimed at the queue is judged on a time that includes the wait (paired by place in the queue),
+# a knob aimed at the work on the service time or the server's prefill (paired by request)
 TARGETS = {
     "n_parallel": ("users:ttft_s", "lower", "queueing dominates: more slots serve concurrent users together"),
     "ctx_per_slot": ("kv_cache_mib", "lower", "KV memory is allocated for every slot's whole context"),
-    "threads": ("users:e2e_s", "lower", "decode and prefill split their work across threads"),
-    "batch": ("users:ttft_s", "lower", "prefill evaluates the prompt in logical batches of -b tokens"),
-    "ubatch": ("users:ttft_s", "lower", "smaller physical batches shrink compute buffers: do they slow prefill?"),
+    "threads": ("users:service_s", "lower", "decode and prefill split their work across threads"),
+    "batch": ("users:prefill_s", "lower", "prefill evaluates the prompt in logical batches of -b tokens"),
+    "ubatch": ("users:prefill_s", "lower", "smaller physical batches shrink compute buffers: do they slow prefill?"),
     "cache_type_k": ("kv_cache_mib", "lower", "a q8_0 K cache stores ~1 byte per element instead of 2"),
     "cache_reuse": ("shift_cached_tokens", "higher", "the second request's doc2 is cached, at another position"),
 }

@@ -7,6 +7,17 @@ the evidence says *better beyond noise*; anything else is a revert, with the rea
 configuration, the run folders with their manifests, the numbers, the decision and why),
 so a colleague, or you next month, can trust or redo the result.
 
+**Which requests make a pair.** Every trial sends the same requests, but under concurrent
+users *which* request waits where is a race: C users send at once, one slot serves them in
+the order their requests happened to arrive, and that order changes from run to run. A time
+that contains the wait for a slot (TTFT, E2E: `PAIR_BY_PLACE`) is therefore paired by
+**place in the queue** (the k-th request to get its first token before and after; with
+equal-length prompts and forced answer lengths the k-th place does the same work whichever
+prompt holds it). A time without the wait (the service time, E2E minus the wait; the
+server's prefill) belongs to the request and is paired **by request**. Pairing a queued
+time by request instead compares the first in line with the last whenever the race turns
+out differently, and the A/A floor that comes out is the queue, not the machine.
+
 The log does not know what a server is: a *session* is any dict with a `config` (a
 dataclass), `runs` ({workload: a run with a per-request `df` and a `dir`}) and scalars
 (e.g. `kv_cache_mib`). Notebook 14 fills it with llama-server trials.
@@ -24,29 +35,86 @@ import pandas as pd
 
 from infercourse.measure import noise
 
-__all__ = ["decide", "TuningLog", "explain_log"]
+__all__ = ["PAIR_BY_PLACE", "pairing", "pairs", "queue_order", "pairing_text", "decide", "TuningLog",
+           "explain_log"]
 
 
-def _pairs(before: pd.DataFrame, after: pd.DataFrame, metric: str) -> tuple[list[float], list[float]]:
-    """Values of `metric` for the requests that succeeded in both runs, paired by request_id
-    (every trial sends the same requests, so request i before and after is one pair)."""
-    def ok(df):
-        return df[df["status"] == "ok"].set_index("request_id")[metric] if "request_id" in df \
-            else df[df["status"] == "ok"][metric].reset_index(drop=True)
-    both = pd.concat([ok(before).rename("a"), ok(after).rename("b")], axis=1, join="inner").dropna()
+# times that include the wait for a slot: under concurrent users, paired by place in the queue
+PAIR_BY_PLACE = ("ttft_s", "e2e_s", "queue_s")
+
+
+def pairing(metric: str) -> str:
+    """"place" for a time that contains the wait for a slot (`PAIR_BY_PLACE`), else "request"."""
+    return "place" if metric in PAIR_BY_PLACE else "request"
+
+
+def _keyed(df: pd.DataFrame, metric: str, by: str) -> pd.Series:
+    ok = df[df["status"] == "ok"]
+    if by == "place":
+        if "first_token_t" not in ok:
+            raise ValueError("pairing by place needs `first_token_t` (a per_request_frame)")
+        # the k-th request to get its first token, k = 0, 1, ... (stable: ties keep row order)
+        return ok.sort_values("first_token_t", kind="stable")[metric].reset_index(drop=True)
+    return ok.set_index("request_id")[metric] if "request_id" in ok else ok[metric].reset_index(drop=True)
+
+
+def pairs(before: pd.DataFrame, after: pd.DataFrame, metric: str,
+          by: str = "request") -> tuple[list[float], list[float]]:
+    """Values of `metric` for the requests that succeeded in both runs, paired.
+
+    Args:
+        before, after: per-request frames (`BenchResult.df`) of the same requests.
+        metric: the column.
+        by: "request" (the same request_id: the same prompt; row order without one) or
+            "place" (the k-th request to get its first token in each run: the same place in
+            the queue, see the module docstring).
+    """
+    if by not in ("request", "place"):
+        raise ValueError(f"by must be 'request' or 'place', got {by!r}")
+    both = pd.concat([_keyed(before, metric, by).rename("a"), _keyed(after, metric, by).rename("b")],
+                     axis=1, join="inner").dropna()
     return both["a"].tolist(), both["b"].tolist()
 
 
+def queue_order(df: pd.DataFrame) -> list:
+    """The request_ids of the requests that succeeded, in the order they got their first token."""
+    ok = df[df["status"] == "ok"]
+    return ok.sort_values("first_token_t", kind="stable")["request_id"].tolist()
+
+
+def pairing_text(first: pd.DataFrame, rerun: pd.DataFrame, metric: str = "ttft_s") -> str:
+    """What pairing by request would have made of an A/A pair of runs, beside pairing by place:
+    the queue order of each run and the two floors, from these runs' numbers.
+
+    Args:
+        first, rerun: the same configuration and requests, run twice (the A/A pair).
+        metric: a time that includes the wait for a slot.
+    """
+    a, b = queue_order(first), queue_order(rerun)
+    by_req, by_place = (noise.noise_floor(*pairs(first, rerun, metric, by)).floor for by in ("request", "place"))
+    head = f"Queue order (request ids, first served first): {a} in the first run, {b} in the rerun."
+    if a == b:
+        return (f"{head} The same order both times: pairing by request and by place are the same pairs here "
+                f"(A/A floor on {metric} ±{by_place:.0%} either way); on another run the race may turn out otherwise.")
+    moved = sum(x != y for x, y in zip(a, b))
+    return (f"{head} {moved} of {min(len(a), len(b))} places changed hands. The A/A floor on {metric}: "
+            f"±{by_req:.0%} pairing by request, ±{by_place:.0%} pairing by place in the queue"
+            + (": the first reading is mostly the race for the slot, not the machine."
+               if by_req > by_place else
+               ": here the race did not widen the floor; the machine's own noise dominates."))
+
+
 def decide(before, after, metric: str = "ttft_s", *, goal: str = "lower",
-           floor: float | noise.NoiseFloor = 0.0, aa: pd.DataFrame | None = None) -> dict[str, Any]:
+           floor: float | noise.NoiseFloor = 0.0, aa: pd.DataFrame | None = None,
+           pair_by: str = "request") -> dict[str, Any]:
     """Keep or revert, on the *paired* difference: the same requests before and after.
 
-    Each request i gives a ratio after_i / before_i; `noise.compare` puts a distribution-free
-    interval on the median ratio and keeps the change only when the whole interval lies
-    beyond the noise band [1/(1 + floor), 1 + floor] on the better side. The floor is the A/A noise floor:
-    the baseline measured twice (`aa`), so "better" means better than the machine does to
-    itself. Two overlapping per-run intervals are NOT the test: with a few requests each
-    interval is nearly the whole sample, and a 40% cut still "overlaps".
+    Each pair i gives a ratio after_i / before_i; `noise.compare` tests it against the A/A
+    noise (the baseline measured twice, `aa`), so "better" means better than the machine
+    does to itself, and keeps the change only when it is better beyond that noise. Two
+    overlapping per-run intervals are NOT the test: with a few requests each interval is
+    nearly the whole sample (the first in line waits nothing, the last waits for everyone),
+    so even a large consistent cut "overlaps".
 
     Args:
         before, after: per-request frames (`BenchResult.df`) of the same requests.
@@ -58,27 +126,28 @@ def decide(before, after, metric: str = "ttft_s", *, goal: str = "lower",
             are noise).
         aa: the baseline's repeat run (the same config, the same requests); when given, the
             floor is computed from it (`noise.noise_floor`) and `floor` is ignored.
+        pair_by: "request" or "place" (`pairs`; `pairing(metric)` says which a metric needs).
     """
     if goal not in ("lower", "higher"):
         raise ValueError(f"goal must be 'lower' or 'higher', got {goal!r}")
     if aa is not None:
-        floor = noise.noise_floor(*_pairs(before, aa, metric))
-    a, b = _pairs(before, after, metric)
+        floor = noise.noise_floor(*pairs(before, aa, metric, pair_by))
+    a, b = pairs(before, after, metric, pair_by)
     if isinstance(floor, noise.NoiseFloor) and list(floor.a) != a:
         floor = floor.floor      # the rerun's pairs are not these requests: judge against its band
     c = noise.compare(a, b, floor, higher_is_better=goal == "higher", labels=("before", "after"), word="better")
     iv = c.interval
     out = {"metric": metric, "before": float(pd.Series(a).median()), "after": float(pd.Series(b).median()),
            "ratio": iv.median, "ratio_ci": (iv.lo, iv.hi), "floor": c.floor, "pairs": iv.n,
-           "change": iv.median - 1, "verdict": c.text, "test": c.test}
-    note = "" if iv.exact else f" (only {iv.n} pairs: the whole range, not a 95% interval)"
+           "change": iv.median - 1, "verdict": c.text, "test": c.test, "paired_by": pair_by}
+    note = "" if iv.exact else f" (only {iv.n} pair{'s' * (iv.n != 1)}: the whole range, not a 95% interval)"
     if c.verdict == "after better":
         return {**out, "decision": "keep", "why": f"better beyond noise{note}"}
     if c.verdict == "before better":
         return {**out, "decision": "revert", "why": f"worse beyond noise{note}"}
     return {**out, "decision": "revert",
-            "why": f"within noise: the paired interval [{iv.lo:.2f}, {iv.hi:.2f}] reaches the band "
-                   f"{noise.band_text(c.floor)}, so keep the old setting{note}"}
+            "why": f"within noise: the test cannot tell it from noise (p = {c.p:.2g}; paired interval "
+                   f"[{iv.lo:.2f}, {iv.hi:.2f}], band {noise.band_text(c.floor)}), so keep the old setting{note}"}
 
 
 def _target(session: dict[str, Any], target: str):
@@ -105,7 +174,8 @@ class TuningLog:
 
     The noise floor: when the baseline session also holds `"<workload> A/A"` (the same
     requests run again on the same config), every paired decision on that workload is
-    judged against the floor that repeat shows (`noise.noise_floor`).
+    judged against the floor that repeat shows (`noise.noise_floor`), pairing each metric
+    the way `pairing` says (a queued time by place, a service time by request).
 
     Args:
         folder: results folder (created); an existing log is appended to, never rewritten.
@@ -154,7 +224,7 @@ class TuningLog:
         runs = (self.base or {}).get("runs", {})
         if name + self.AA not in runs:
             return 0.0
-        return noise.noise_floor(*_pairs(runs[name].df, runs[name + self.AA].df, metric))
+        return noise.noise_floor(*pairs(runs[name].df, runs[name + self.AA].df, metric, pairing(metric)))
 
     def trial(self, knob: str, session: dict[str, Any], *, target: str = "users:e2e_s",
               goal: str = "lower", expected: str = "") -> dict[str, Any]:
@@ -174,14 +244,14 @@ class TuningLog:
             raise ValueError(f"trial must change exactly {knob!r} from the kept config; it changes {changed}")
         (b, metric), (a, _) = _target(self.best, target), _target(session, target)
         if metric is not None:
-            d = decide(b, a, metric, goal=goal, floor=self.floor(target))
+            d = decide(b, a, metric, goal=goal, floor=self.floor(target), pair_by=pairing(metric))
         else:
             better = a < 0.99 * b if goal == "lower" else a > 1.01 * b
             d = {"metric": target, "q": None, "before": b, "after": a, "change": a / b - 1 if b else math.nan,
                  "decision": "keep" if better else "revert",
                  "why": "better (a deterministic reading)" if better else "not better"}
         gb, gm = _target(self.best, self.guard)
-        g = decide(gb, _target(session, self.guard)[0], gm, floor=self.floor(self.guard))
+        g = decide(gb, _target(session, self.guard)[0], gm, floor=self.floor(self.guard), pair_by=pairing(gm))
         d["guard"] = f"{self.guard} median {g['before']:.3g} -> {g['after']:.3g} ({g['why'].split(':')[0]})"
         if d["decision"] == "keep" and g["why"].startswith("worse beyond noise") and target != self.guard:
             d.update(decision="revert", why=f"target better, but {self.guard} worse beyond noise")
@@ -195,8 +265,8 @@ class TuningLog:
     def frame(self) -> pd.DataFrame:
         """The log as a table, oldest first (read back from disk: what a colleague sees)."""
         rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        cols = ["trial", "target", "before", "after", "change", "ratio_ci", "floor", "guard", "decision", "why",
-                "expected"]
+        cols = ["trial", "target", "paired_by", "before", "after", "change", "ratio_ci", "floor", "guard", "decision",
+                "why", "expected"]
         return pd.DataFrame(rows).reindex(columns=cols)
 
 
@@ -209,7 +279,8 @@ def explain_log(frame: pd.DataFrame) -> str:
         ci = r.get("ratio_ci")
         # paired: the change is the median of the per-request ratios, which is not the ratio
         # of the two medians (14 printed "12.4 -> 7.38 (-28%)" with no word on which)
-        paired = (f"median paired change {r['change']:+.0%}, interval [{ci[0]:.2f}, {ci[1]:.2f}], "
+        by = {"place": " by place in the queue", "request": " by request"}.get(r.get("paired_by"), "")
+        paired = (f"median paired change{by} {r['change']:+.0%}, interval [{ci[0]:.2f}, {ci[1]:.2f}], "
                   f"A/A floor ±{r['floor']:.0%}" if isinstance(ci, (list, tuple)) else f"{r['change']:+.0%}")
         lines.append(f"- `{r['trial']}` on {r['target']}: {r['before']:.3g} → {r['after']:.3g} "
                      f"({'medians; ' if isinstance(ci, (list, tuple)) else ''}{paired}): "
