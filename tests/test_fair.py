@@ -75,7 +75,7 @@ def test_route_status_and_unusable_routes_get_a_reason(tmp_path):
     assert rows.loc["Ollama", "why"] == "no ollama here"
     table = fair.engine_table(rows)
     assert table.loc["vLLM CPU", "api"].startswith("OpenAI") and table.loc["vLLM CPU", "why"] == "no vllm here"
-    assert math.isnan(table.loc["Ollama", "ttft_p50_s"])
+    assert math.isnan(table.loc["Ollama", "ttft_first_s"])
 
 
 def test_agent_calls_force_the_same_length_and_grow():
@@ -108,8 +108,10 @@ def test_llamacpp_route_measures_every_column(tmp_path):
     row = rows.loc["llama.cpp in process"]
     assert row["ran"], row["why"]
     assert row["quantization"] == "Q4_1" and row["error_rate"] == 0
-    assert row["requests"] == 2 and row["memory_mb"] > 0
+    assert row["calls"] == 2 and row["memory_mb"] > 0
     assert 0 < row["cache_hit"] < 1        # call 2 extends call 1: its prefix is reused
+    assert row["cache_hit_later"] > row["cache_hit_first"]
+    assert row["ttft_first_s"] > 0 and row["ttft_later_p50_s"] > 0 and row["prefill_first_tok_per_s"] > 0
     assert runs["llama.cpp in process"].manifest["fair"]["threads"] == 1
 
 
@@ -131,6 +133,20 @@ def test_explain_says_the_server_cost_only_from_the_interleaved_comparison(tmp_p
     assert "**within noise**" in text and "A/A noise floor" in text
 
 
+def test_explain_judges_the_decode_ratio_against_the_floor_when_there_is_one():
+    from infercourse.measure import noise
+    rows = pd.DataFrame({"ran": [True, True], "decode_tok_per_s": [40.0, 10.0], "quantization": ["Q4_1", "F32"],
+                         "cache_hit": [0.5, 0.0], "memory_mb": [100.0, 300.0], "why": ["", ""]},
+                        index=["llama.cpp in process", "transformers"])
+    a, a2 = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95], [1.02, 1.08, 0.93, 0.98, 1.04, 0.97]
+    floor = noise.noise_floor(a, a2)
+    paired = {"floor": floor, "comparison": noise.compare(a, a2, floor)}
+    assert "llama.cpp in process ÷ transformers: 4.00× (one run each, not judged)" in fair.explain(rows, {}, 5.0)
+    assert "(outside the A/A noise band" in fair.explain(rows, {}, 5.0, paired=paired)
+    near = rows.assign(decode_tok_per_s=[10.2, 10.0])
+    assert "transformers: 1.02× (inside the A/A noise band" in fair.explain(near, {}, 5.0, paired=paired)
+
+
 def _params(notebook: str) -> dict:
     """The values of a notebook's parameters cell, executed on its own."""
     import json
@@ -142,7 +158,7 @@ def _params(notebook: str) -> dict:
     return ns
 
 
-def test_notebook_12_runs_every_route_that_can_run_here_by_default():
+def test_notebook_13_runs_every_route_that_can_run_here_by_default():
     """13's defaults skip nothing that runs here: MLX's and vLLM's CPU builds included (a
     stand-in status says every route is usable, as on a machine with mlx[cpu] and `make vllm`)."""
     p = _params("13_fair_benchmark.ipynb")
@@ -163,3 +179,168 @@ def test_a_route_is_skipped_only_with_its_computed_reason_or_yours():
     assert todo.loc["transformers", "why"] == "skipped by you: too slow for me"
     with pytest.raises(ValueError, match="not in the list"):
         fair.plan(["transformers"], status, skip={"Ollama": "x"})
+
+
+# ---- cold and warm calls apart; sentences that flip with the numbers (issue 26) -------------------
+from contextlib import contextmanager  # noqa: E402
+
+from infercourse.lessons import fair_claims as FC  # noqa: E402
+from infercourse.measure import noise  # noqa: E402
+
+
+def test_row_keeps_the_cold_call_apart_from_the_warm_ones(tmp_path):
+    manifest = {"label": "r", "engine": {}, "model": "m", "sampling": {}, "load": {}, "workload": {},
+                "fair": {"quantization": "Q4_1"}}
+    with R.RunWriter(tmp_path / "r", manifest) as w:
+        for i, (t, prompt, cached) in enumerate([(2.0, 100, 0), (0.2, 120, 100), (0.4, 150, 120)]):
+            w.write(RequestTrace(request_id=i, scheduled_t=0.0, sent_t=0.0, chunk_t=[t, t + 0.05],
+                                 chunk_tokens=[1, 1], end_t=t + 0.05, prompt_tokens=prompt,
+                                 completion_tokens=2, cached_tokens=cached))
+    row = fair._row("r", R.load_run(tmp_path / "r"), 1e6)
+    assert row["calls"] == 3 and row["ttft_first_s"] == pytest.approx(2.0)
+    assert row["ttft_later_p50_s"] == pytest.approx(0.3)            # p50 of calls 2 and 3 only
+    assert row["prefill_first_tok_per_s"] == pytest.approx(100 / 2.0)
+    assert row["cache_hit_first"] == 0 and row["cache_hit_later"] == pytest.approx(220 / 270)
+    assert row["cache_hit"] == pytest.approx(220 / 370)
+
+
+def _rows(**cols) -> pd.DataFrame:
+    base = {"ran": [True, True], "quantization": ["Q4_1", "F32"], "calls": [2, 2]}
+    return pd.DataFrame({**base, **cols}, index=["llama.cpp in process", "transformers"])
+
+
+# the issue's run: transformers prefills faster (no cache), llama.cpp reuses call 1 on call 2
+ISSUE = dict(ttft_first_s=[5.0, 2.5], ttft_later_p50_s=[0.6, 3.0], prefill_first_tok_per_s=[108.0, 244.0],
+             cache_hit_first=[0.0, 0.0], cache_hit_later=[0.9, 0.0], decode_tok_per_s=[40.0, 12.0])
+
+
+def test_ttft_sentence_names_the_lowest_route_and_what_explains_it():
+    text = FC.ttft_sentence(_rows(**ISSUE), floor=0.1)
+    first, later = text.splitlines()
+    assert "**transformers** (F32) at 2.5 s" in first and "Its prefill rate explains it" in first
+    assert "outside the A/A noise band" in first
+    assert "**llama.cpp in process** (Q4_1) at 0.6 s" in later and "Its prefix cache explains it" in later
+    # flipped: llama.cpp prefills faster and transformers wins the later calls on rate alone
+    flip = _rows(**{**ISSUE, "ttft_first_s": [2.5, 5.0], "prefill_first_tok_per_s": [244.0, 108.0]})
+    first = FC.ttft_sentence(flip, floor=0.1).splitlines()[0]
+    assert "**llama.cpp in process** (Q4_1) at 2.5 s" in first and "Its prefill rate explains it" in first
+    # later calls won by transformers, with no cache on either side: its rate, not a cache
+    rate = _rows(**{**ISSUE, "ttft_later_p50_s": [3.0, 0.6], "cache_hit_later": [0.0, 0.0]})
+    later = FC.ttft_sentence(rate, floor=0.1).splitlines()[1]
+    assert "**transformers** (F32) at 0.6 s" in later and "Its prefill rate explains it, not a prefix cache" in later
+    # ... and by a route with neither more hits nor a higher rate: neither explains it
+    neither = _rows(**{**ISSUE, "ttft_later_p50_s": [3.0, 0.6], "cache_hit_later": [0.5, 0.0],
+                       "prefill_first_tok_per_s": [244.0, 108.0]})
+    assert "Neither more cache hits nor a higher prefill rate" in FC.ttft_sentence(neither, floor=0.1)
+
+
+def test_ttft_sentence_says_within_noise_and_when_there_is_no_later_call():
+    text = FC.ttft_sentence(_rows(**{**ISSUE, "ttft_first_s": [2.6, 2.5]}), floor=0.1)
+    assert "this run cannot rank them" in text.splitlines()[0] and "explains" not in text.splitlines()[0]
+    assert "not judged" in FC.ttft_sentence(_rows(**ISSUE), floor=None).splitlines()[0]
+    one = _rows(**{**ISSUE, "ttft_later_p50_s": [math.nan, math.nan], "calls": [1, 1]})
+    assert "none here (one call per route)" in FC.ttft_sentence(one, floor=0.1)
+
+
+def test_rates_sentence_reads_decode_and_prefill_separately():
+    text = FC.rates_sentence(_rows(**ISSUE), floor=0.1)
+    assert "Prefill rate of call 1, tok/s, highest first: transformers (F32) 244, llama.cpp" in text
+    assert "4-bit led decode and lost prefill" in text
+    flip = _rows(**{**ISSUE, "prefill_first_tok_per_s": [244.0, 108.0], "decode_tok_per_s": [12.0, 40.0]})
+    assert "4-bit lost decode and led prefill" in FC.rates_sentence(flip, floor=0.1)
+    both = _rows(**{**ISSUE, "prefill_first_tok_per_s": [300.0, 108.0]})
+    assert "4-bit led both phases" in FC.rates_sentence(both, floor=0.1)
+    near = _rows(**{**ISSUE, "prefill_first_tok_per_s": [240.0, 244.0]})
+    assert "In prefill the two are within noise" in FC.rates_sentence(near, floor=0.1)
+    assert "not a verdict" in FC.rates_sentence(_rows(**ISSUE), floor=None)
+    no_float = _rows(**ISSUE, quantization=["Q4_1", "Q8_0"])
+    assert "cannot set the two bounds side by side" in FC.rates_sentence(no_float)
+
+
+def test_format_names():
+    assert all(map(FC.is_4bit, ["Q4_1", "Q4_K_M", "MLX 4-bit g64"])) and not FC.is_4bit("F32")
+    assert all(map(FC.is_float, ["F32", "float32", "BF16", "fp16"])) and not FC.is_float("Q4_1")
+
+
+def test_sign_test():
+    assert FC.sign_test_p(6, 6) == pytest.approx(2 / 64) and FC.sign_test_p(0, 6) == pytest.approx(2 / 64)
+    assert FC.sign_test_p(5, 6) == pytest.approx(2 * 7 / 64) and FC.sign_test_p(1, 2) == 1.0
+
+
+def _paired(a, a2, repeats=6):
+    arms = ["in process", "llama-server", "in process (A/A)"]
+    return {"values": {"in process": a, "in process (A/A)": a2}, "order": noise.schedule(arms, repeats, "ABBA")}
+
+
+def test_order_sentence_tells_a_label_effect_from_a_position_effect_from_noise():
+    a = [1.0] * 6
+    issue = FC.order_sentence(_paired(a, [1.13, 1.20, 1.01, 1.15, 1.18, 1.11]))   # the rerun always slower
+    assert "in 6 of 6 pairs" in issue and "differ systematically" in issue
+    # the later reference in each block slower: the rerun is later in even blocks (ABBA, mirrored)
+    late = FC.order_sentence(_paired(a, [1.1, 0.9, 1.1, 0.9, 1.1, 0.9]))
+    assert "A position effect" in late and "takes longer" in late and "in 3 of 6 pairs" in late
+    mixed = FC.order_sentence(_paired(a, [1.1, 1.1, 0.9, 1.1, 0.9, 0.9]))
+    assert "no sign of an order effect" in mixed
+    few = FC.order_sentence(_paired([1.0, 1.0], [1.2, 1.1], repeats=2))
+    assert "cannot tell an order effect from noise" in few
+
+
+def _fake_engines(monkeypatch, cost):
+    """open_route and record replaced: each call's TTFT = cost(engine, call index)."""
+    calls = []
+
+    @contextmanager
+    def fake_open(name, *, threads, ctx_size):
+        yield (name, threads), {}, (lambda: 0.0)
+
+    def fake_record(engine, request, raise_errors=True):
+        t = cost(engine, len(calls))
+        calls.append(engine)
+        return RequestTrace(request_id=0, scheduled_t=0.0, sent_t=0.0, chunk_t=[t, t + 0.1, t + 0.2],
+                            chunk_tokens=[1, 1, 1], end_t=t + 0.2, prompt_tokens=10, completion_tokens=3)
+    monkeypatch.setattr(fair, "open_route", fake_open)
+    monkeypatch.setattr(fair, "record", fake_record)
+    return calls
+
+
+@pytest.mark.parametrize("repeats", [2, 4, 6])
+def test_the_references_share_position_and_predecessor_and_a_drift_cancels(monkeypatch, repeats):
+    calls = _fake_engines(monkeypatch, lambda engine, i: 1.0 + 0.01 * i)     # a linear drift, one engine
+    out = fair.server_vs_in_process(fair.WARMUP, threads=1, ctx_size=512, repeats=repeats)
+    order = out["order"]
+    refs = ("in process", "in process (A/A)")
+    pos = {arm: sorted(i % 3 for i, (_, a) in enumerate(order) if a == arm) for arm in refs}
+    assert pos["in process"] == pos["in process (A/A)"]          # the same positions, at any even count
+    seq = ["in process", "llama-server", "in process (A/A)"] + [a for _, a in order]   # warm-up first
+    prev = {arm: sorted(seq[i - 1].startswith("in process") for i in range(3, len(seq)) if seq[i] == arm)
+            for arm in refs}
+    assert prev["in process"] == prev["in process (A/A)"]        # after the same engine as often
+    assert len(calls) == 2 * 3 * (repeats + 1)                    # warm-up + call, per trial
+    assert out["comparison"].interval.median == pytest.approx(1.0, abs=1e-3)   # server sandwiched: drift cancels
+    if repeats == 6:
+        assert "A position effect" in FC.order_sentence(out)
+
+
+def test_thread_scaling_reads_speedups_from_paired_trials(monkeypatch):
+    _fake_engines(monkeypatch, lambda engine, i: 2.0 / engine[1])      # twice the threads, half the TTFT
+    out = fair.thread_scaling(fair.WARMUP, (1, 2), ctx_size=512, repeats=2)
+    assert out["ttft_speedup"] == pytest.approx(2.0) and out["pairs"] == 2
+    assert out["decode_speedup"] == pytest.approx(1.0)     # the fake's token gaps do not change
+
+
+def test_later_calls_set_a_route_without_a_cache_beside_the_two_lowest():
+    """The full-size run's shape: two cached routes within noise, transformers re-prefilling."""
+    rows = pd.DataFrame({"ran": [True] * 3, "quantization": ["Q4_1", "Q4_1", "F32"], "calls": [2] * 3,
+                         "ttft_first_s": [13.8, 12.5, 5.2], "ttft_later_p50_s": [2.66, 3.18, 6.15],
+                         "prefill_first_tok_per_s": [42.0, 46.0, 113.0], "cache_hit_first": [0.01, 0.01, 0.0],
+                         "cache_hit_later": [0.83, 0.83, 0.0]},
+                        index=["llama.cpp in process", "llama-server", "transformers"])
+    later = FC.ttft_sentence(rows, floor=0.42).splitlines()[1]
+    assert "warm: call 2, one per route" in later and "this run cannot rank them" in later
+    assert "transformers, which reused no prefix (0% cached), took 6.15 s" in later and "outside" in later
+    near = FC.ttft_sentence(rows.assign(ttft_later_p50_s=[2.66, 3.18, 3.3]), floor=0.42).splitlines()[1]
+    assert "transformers, which reused no prefix" in near and "took 3.3 s on them, 1.24× the lowest (inside" in near
+    cached = FC.ttft_sentence(rows.assign(cache_hit_later=[0.83, 0.83, 0.5]), floor=0.42)
+    assert "reused no prefix" not in cached
+    three = FC.ttft_sentence(rows.assign(calls=[3] * 3), floor=0.42)
+    assert "calls 2 to 3, their TTFT p50 per route" in three

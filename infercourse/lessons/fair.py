@@ -38,7 +38,7 @@ from infercourse.ops.routes import ROUTES, open_route, route_status
 
 __all__ = ["FAIR_KEYS", "LABELLED", "ROUTES", "PEER_FIXTURE", "WARMUP", "agent_calls", "route_status", "plan",
            "open_route", "measure_routes", "fair_table", "engine_table", "plot_routes", "explain",
-           "server_vs_in_process", "peer_run", "peer_beside_ours"]
+           "server_vs_in_process", "thread_scaling", "peer_run", "peer_beside_ours"]
 
 # Manifest keys that must match for two runs' numbers to be compared (dotted, as
 # `differing_conditions` flattens them). `fair.*` is what each route records below.
@@ -91,20 +91,30 @@ def plan(names: list[str], status: dict | None = None, skip: dict[str, str] | No
 
 
 def _row(name: str, run: Run, mem_bytes: float) -> dict[str, Any]:
-    df = run.df
+    """One route's numbers. Call 1 (cold: nothing of it cached after the unrelated warm-up) is
+    kept apart from the later calls (warm: each extends the last, so a prefix cache can serve
+    most of it): a p50 over both mixes the two (with 2 calls it is their mean)."""
+    df = run.df.sort_values("request_id")
     ok = df[df["status"] == "ok"]
-    s = summary.summarize(df, ("ttft_s", "prefill_tok_per_s", "decode_tok_per_s", "e2e_s"))
+    first, later = ok.iloc[:1], ok.iloc[1:]
+    s = summary.summarize(df, ("decode_tok_per_s", "e2e_s"))
     p50 = lambda m: float(s.loc[m, "p50"]) if m in s.index and "p50" in s else float("nan")  # noqa: E731
+    one = lambda part, m: float(part[m].iloc[0]) if len(part) and pd.notna(part[m].iloc[0]) \
+        else float("nan")  # noqa: E731
+
+    def hit(part: pd.DataFrame) -> float:    # NaN, not 0, when the route reports no cached count (vLLM)
+        prompt = float(part["prompt_tokens"].sum())
+        return float(part["cached_tokens"].sum()) / prompt if prompt and part["cached_tokens"].notna().any() \
+            else float("nan")
     fair = run.manifest.get("fair", {})
-    prompt = float(ok["prompt_tokens"].sum())
     return {"route": name, "ran": True, "why": "", "quantization": fair.get("quantization"),
             "threads": fair.get("threads"), "context": fair.get("context_tokens"),
-            "requests": len(df), "prompt_tokens": prompt, "ttft_p50_s": p50("ttft_s"),
-            "prefill_tok_per_s": p50("prefill_tok_per_s"), "decode_tok_per_s": p50("decode_tok_per_s"),
+            "calls": len(df), "prompt_tokens": float(ok["prompt_tokens"].sum()),
+            "ttft_first_s": one(first, "ttft_s"),
+            "ttft_later_p50_s": float(later["ttft_s"].median()) if len(later) else float("nan"),
+            "prefill_first_tok_per_s": one(first, "prefill_tok_per_s"), "decode_tok_per_s": p50("decode_tok_per_s"),
             "e2e_p50_s": p50("e2e_s"), "memory_mb": mem_bytes / 1e6,
-            # NaN, not 0, when the route reports no cached count (vLLM without its usage detail)
-            "cache_hit": float(ok["cached_tokens"].sum()) / prompt if prompt and ok["cached_tokens"].notna().any()
-            else float("nan"),
+            "cache_hit": hit(ok), "cache_hit_first": hit(first), "cache_hit_later": hit(later),
             "error_rate": summary.error_rate(df)}
 
 
@@ -170,14 +180,15 @@ def engine_table(measured: pd.DataFrame) -> pd.DataFrame:
     """The engine comparison table: positioning, API and deployment limits (from each
     project's documentation) beside what was measured here (or why it was not)."""
     static = pd.DataFrame.from_dict(ROUTES, orient="index").drop(columns="check")
-    cols = ["quantization", "ttft_p50_s", "prefill_tok_per_s", "decode_tok_per_s", "memory_mb",
-            "cache_hit", "error_rate", "why"]
+    cols = ["quantization", "ttft_first_s", "ttft_later_p50_s", "prefill_first_tok_per_s", "decode_tok_per_s",
+            "memory_mb", "cache_hit", "error_rate", "why"]
     return static.join(measured.reindex(columns=cols), how="right")
 
 
 def plot_routes(rows: pd.DataFrame, ceilings: dict[str, float], axes):
-    """Left: TTFT p50 per route (s). Right: decode tok/s per route, with the bandwidth
-    ceiling of each weight format (a dashed line per quantization) as the reference.
+    """Left: TTFT per route (s), call 1 (cold) beside the later calls' p50 (warm). Right:
+    decode tok/s per route, with the bandwidth ceiling of each weight format (a dashed line
+    per quantization) as the reference.
 
     Args:
         rows: `measure_routes` rows.
@@ -185,8 +196,14 @@ def plot_routes(rows: pd.DataFrame, ceilings: dict[str, float], axes):
         axes: two matplotlib Axes.
     """
     ran = rows[rows["ran"]]
-    axes[0].barh(list(ran.index), ran["ttft_p50_s"], color="tab:orange")
-    axes[0].set(xlabel="TTFT p50 (s)", title="Time to first token (agent calls)")
+    y = list(range(len(ran)))
+    axes[0].barh([i + 0.2 for i in y], ran["ttft_first_s"], height=0.4, color="tab:orange", label="call 1 (cold)")
+    if ran["ttft_later_p50_s"].notna().any():
+        axes[0].barh([i - 0.2 for i in y], ran["ttft_later_p50_s"], height=0.4, color="tab:green",
+                     label="later calls, p50 (warm)")
+    axes[0].set_yticks(y, list(ran.index))
+    axes[0].set(xlabel="TTFT (s)", title="Time to first token (agent calls)")
+    axes[0].legend(loc="lower right", fontsize=8)
     axes[1].barh(list(ran.index), ran["decode_tok_per_s"], color="tab:blue")
     for (quant, c), style in zip(ceilings.items(), ("--", ":", "-.")):
         axes[1].axvline(c, ls=style, color="tab:red", label=f"ceiling, {quant} weights: {c:.0f} tok/s")
@@ -209,9 +226,11 @@ def explain(rows: pd.DataFrame, runs: dict[str, Run], predicted_ratio: float,
            f"({ran.loc[fast, 'quantization']} weights)."]
     if {base, other} <= set(ran.index):
         r = ran.loc[base, "decode_tok_per_s"] / ran.loc[other, "decode_tok_per_s"]
-        out.append(f"- {base} decodes {r:.1f}× faster than {other}; the bytes alone predicted "
-                   f"{predicted_ratio:.1f}×. Part of that gap is *quantization*, not engine quality: "
-                   f"the table labels it.")
+        from infercourse.lessons.fair_claims import band_verdict
+        note = band_verdict(r, paired["floor"].floor)[1] if paired is not None \
+            else "one run each, not judged"
+        out.append(f"- Decode rate, {base} ÷ {other}: {r:.2f}× ({note}); the bytes alone predicted "
+                   f"{predicted_ratio:.1f}×. That ratio mixes *quantization* with the engines: the table labels it.")
     if paired is not None:
         out.append(f"- Same runtime behind HTTP, TTFT of one agent call, interleaved: **{paired['comparison'].verdict}** "
                    f"({paired['comparison'].text}); {paired['floor'].text()}.")
@@ -231,12 +250,19 @@ def server_vs_in_process(request: Request, *, threads: int, ctx_size: int, repea
     """Does llama-server cost TTFT against the same runtime in process? Interleaved A/A/B.
 
     Both routes are open at once; each trial sends `WARMUP` (so no trial starts with the
-    call's prefix cached) and then `request`, and keeps its TTFT. The arms run interleaved
-    (`noise.run_interleaved`, ABBA-style): in process, in process again (the A/A floor),
-    llama-server. The verdict (`noise.compare`) says "faster" only when the whole paired
-    interval clears the floor.
+    call's prefix cached) and then `request`, and keeps its TTFT. Each block runs in process,
+    llama-server, in process again (the A/A floor), and the next block mirrors it
+    (`noise.schedule`, "ABBA"): each reference runs first in half the blocks (after the other
+    reference) and last in the other half (after the server), at any even number of blocks,
+    so an effect of position or of the preceding run hits both alike; the server always sits
+    between its two references, so a drift within a block moves it as much as their mean; it
+    always follows an in-process run, which its own warm-up request is there to absorb. (A
+    rotation of three arms balances positions only every 6 blocks: at 2 or 4 the rerun sat in
+    the middle most of the time.) The verdict (`noise.compare`) is a permutation test against
+    the A/A rerun; `fair_claims.order_sentence` looks for an order effect in the A/A pairs.
 
-    Returns {"values": {arm: [TTFT s per trial]}, "floor": NoiseFloor, "comparison": Comparison}.
+    Returns {"values": {arm: [TTFT s per block]}, "order": [(block, arm)] as run,
+    "floor": NoiseFloor, "comparison": Comparison}.
 
     Args:
         request: one call (e.g. the first agent call, `agent_calls(1, n).requests[0]`).
@@ -254,12 +280,45 @@ def server_vs_in_process(request: Request, *, threads: int, ctx_size: int, repea
         def ttft(engine) -> float:
             record(engine, WARMUP, raise_errors=True)
             return metrics.ttft_s(record(engine, cold, raise_errors=True))
-        vals = noise.run_interleaved({"in process": lambda: ttft(a), "in process (A/A)": lambda: ttft(a),
-                                      "llama-server": lambda: ttft(b)}, repeats, pattern="rotate", warmup=1)
+        arms = {"in process": lambda: ttft(a), "llama-server": lambda: ttft(b), "in process (A/A)": lambda: ttft(a)}
+        vals = noise.run_interleaved(arms, repeats, pattern="ABBA", warmup=1)
     floor = noise.noise_floor(vals["in process"], vals["in process (A/A)"])
-    return {"values": vals, "floor": floor,
+    return {"values": vals, "order": noise.schedule(list(arms), repeats, "ABBA"), "floor": floor,
             "comparison": noise.compare(vals["in process"], vals["llama-server"], floor,
                                         labels=("in process", "llama-server"))}
+
+
+def thread_scaling(request: Request, threads: tuple[int, int], *, ctx_size: int, repeats: int = 2) -> dict[str, Any]:
+    """Call `request` on llama.cpp in process at two thread counts, interleaved ("ABBA",
+    `noise.run_arms`), each call cold (`cache_prompt=False`): how much do TTFT (prefill,
+    arithmetic-bound) and decode (bandwidth-bound) gain from more threads?
+
+    Returns {"ttft_speedup": median paired TTFT(fewer) / TTFT(more), "decode_speedup":
+    median paired decode(more) / decode(fewer), "pairs": n, "trials": the rows}.
+
+    Args:
+        request: one call (e.g. `agent_calls(1, n).requests[0]`).
+        threads: (fewer, more), e.g. (1, 2).
+        ctx_size: as `open_route`.
+        repeats: trials per thread count (made even).
+    """
+    from infercourse.core import metrics
+    from infercourse.measure import noise
+    few, many = threads
+    cold = replace(request, cache_prompt=False)
+    with open_route("llama.cpp in process", threads=few, ctx_size=ctx_size) as (a, _, _), \
+            open_route("llama.cpp in process", threads=many, ctx_size=ctx_size) as (b, _, _):
+        for engine in (a, b):
+            record(engine, WARMUP, raise_errors=True)
+
+        def trial(engine, _label: str) -> tuple[dict, None]:
+            tr = record(engine, cold, raise_errors=True)
+            return {"ttft_s": metrics.ttft_s(tr), "decode_tok_per_s": metrics.decode_tok_per_s(tr)}, None
+        trials, _ = noise.run_arms({"fewer": a, "more": b}, repeats, trial)
+    t = trials.pivot(index="rep", columns="arm", values="ttft_s")
+    d = trials.pivot(index="rep", columns="arm", values="decode_tok_per_s")
+    return {"ttft_speedup": noise.paired_interval(t["more"], t["fewer"]).median,
+            "decode_speedup": noise.paired_interval(d["fewer"], d["more"]).median, "pairs": len(t), "trials": trials}
 
 
 def peer_run(path: str | Path = PEER_FIXTURE) -> Run:
