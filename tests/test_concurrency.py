@@ -175,3 +175,18 @@ def test_np_sweep_and_cb_compare_repeat_with_an_aa_arm(monkeypatch):
     assert {"decode_tok_per_s", "prefill_share", "decode_verdict"} <= set(table.columns)
     # medians over trials of N / TPOT p50: positive, and a share of time before the first token
     assert (table["decode_tok_per_s"] > 0).all() and table["prefill_share"].between(0, 1).all()
+
+
+@pytest.mark.slow
+def test_one_level_measures_a_level_outside_the_sweep(tmp_path):
+    """A level the sweep did not run, on a real llama-server: its slots are the level (from the
+    server's own argv), every user sends at least two requests, all of one shape (one prompt
+    length, the asked answer length), and the row holds the sweep's columns."""
+    row = cc.one_level(3, prompt_tokens=24, max_tokens=6, requests=2, threads=1, out_dir=tmp_path)
+    assert row.name == 3 and row["requests"] == 6 and row["error_rate"] == 0
+    assert {"output_tok_per_s", "decode_tok_per_s", "ttft_s_p50", "tpot_s_p50", "prefill_share"} <= set(row.index)
+    manifest = json.loads((tmp_path / "np3" / "manifest.json").read_text())
+    argv = manifest["server"]["argv"]
+    assert argv[argv.index("-np") + 1] == "3"
+    recs = [json.loads(x) for x in (tmp_path / "np3" / "requests.jsonl").read_text().splitlines()]
+    assert len({r["prompt_tokens"] for r in recs}) == 1 and {r["completion_tokens"] for r in recs} == {6}

@@ -151,3 +151,23 @@ def test_pooled_tail_note_says_which_interval_to_trust():
     assert "trust the block interval" in lesson.pooled_tail_note(metrics.itl_frame(bursty))
     few = metrics.itl_frame(bursty[:3])
     assert "too few for a p99 interval" in lesson.pooled_tail_note(few) and "(3)" in lesson.pooled_tail_note(few)
+
+
+@pytest.mark.slow
+def test_exercise_reruns_change_one_setting_on_a_fresh_server():
+    """The exercises' reruns on a stand-in with an exact clock. Its sleeps are lower bounds
+    (a busy machine only adds), so no speed is assumed: 16 forced tokens cannot arrive
+    before 15 gaps have passed, which 4 tokens (the profile's length) would; and with one
+    request in flight at 3x the rate the last one waits for the five before it."""
+    from infercourse.ops.profiles import profile
+    from infercourse.testing import SSESource
+    ttft, gap = 0.05, 0.01
+    with SSESource(ttft_s=ttft, gap_s=gap) as src:
+        p = profile("cpu", prompt_tokens=6, max_tokens=4, server_url=src.url)
+        e16 = lesson.e2e_p50_s(p, 3, max_tokens=16)
+        # the rate is set from the shortest possible request, so it is at least 3x what one slot serves
+        wait = lesson.overload_wait(p, ttft + 3 * gap, factor=3.0, n=6, client_queue=True)
+    assert e16 >= ttft + 15 * gap
+    # last E2E >= first request + the 3 longest of 5 completion gaps - its 5/3 S head start:
+    # at least 3 - 2/3 of the median gap, whatever the machine's speed
+    assert wait > 2.0

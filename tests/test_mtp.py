@@ -99,6 +99,22 @@ def test_training_budget_bounds_the_steps_and_says_so(tiny):
     assert full["steps"] == 30
 
 
+def test_draft_length_caps_the_guesses_and_keeps_greedy_output(tiny):
+    """Draft length 1 proposes the first head's guess only: one per pass at most (so at most
+    2 tokens per pass), where the same heads uncapped propose two; the output stays greedy's."""
+    feats = mtp.trunk_features(tiny, _docs())
+    heads, _ = mtp.train_heads(tiny, feats, n_heads=2, kind="medusa", steps=150, batch=64, lr=1e-2)
+    h = feats[0]["H"][5]
+    assert len(mtp.heads_drafter(heads, max_draft=1)([3], h)) == 1 and len(mtp.heads_drafter(heads)([3], h)) == 2
+    ids = _docs(1, 8)[0]
+    one, two = (mtp.draft_length_run(tiny, ids, heads, k, 20) for k in (1, 2))
+    assert one.name == "first 1 head(s)" and one["identical"] and two["identical"]
+    assert one["proposed"] <= one["passes"] and 1.0 <= one["tokens_per_pass"] <= 2.0
+    assert two["proposed"] > two["passes"] >= one["proposed"]      # uncapped: two guesses on most passes
+    with pytest.raises(ValueError, match="draft_len"):
+        mtp.draft_length_run(tiny, ids, heads, 3, 20)
+
+
 def test_compare_drafters_repeats_interleaved_with_an_aa_floor(tiny):
     from infercourse.lessons.draft_verify import compare_drafters
     ids = _docs(1, 8)[0]

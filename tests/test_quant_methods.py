@@ -172,3 +172,42 @@ def test_load_state_refuses_missing_and_unexpected_keys():
         load_state(stand_in(True), {"embed.weight": torch.ones(4, 4)})
     with pytest.raises(ModelLayerError, match=r"unexpected \['extra'\]"):
         load_state(stand_in(True), {**state, "extra": torch.ones(1)})
+
+
+def test_kernel_speedup_divides_by_the_first_row_of_its_runtime():
+    """A real-kernels table's first row is the 16-bit reference on that runtime; flip the rates
+    and the speed-up flips with them."""
+    from infercourse.lessons.quant_methods import kernel_speedup
+    k = pd.DataFrame({"format": ["mlx f16", "mlx q8", "mlx q4"], "decode_tok_per_s": [100.0, 150.0, 250.0]})
+    assert kernel_speedup(k, "mlx q4") == pytest.approx(2.5) and kernel_speedup(k, "mlx f16") == 1.0
+    k["decode_tok_per_s"] = [250.0, 150.0, 100.0]
+    assert kernel_speedup(k, "mlx q4") == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="vllm fp8"):
+        kernel_speedup(k, "vllm fp8")
+
+
+def test_gguf_rung_speedup_serves_the_rung_beside_f16_and_returns_its_row(monkeypatch):
+    """The exercise's rung is measured like the table's GGUF rows: against GGUF F16 on the same
+    llama-server build (one slot each here); the rung's row comes back, not the reference's."""
+    from infercourse.lessons import quant_methods as qm, quantization
+    from infercourse.measure import quant_speed
+    seen = {}
+    monkeypatch.setattr(quantization, "ladder_paths", lambda q, include_original=True:
+                        {"F16": "f16.gguf", **{x: f"{x}.gguf" for x in q}})
+
+    def fake_serve(paths, ref, prompts, max_tokens, **kw):
+        seen.update(paths=dict(paths), ref=ref, **kw)
+        return {k: {"decode_speedup": 1.0 if k == ref else 1.7, "decode_verdict": "v"} for k in paths}
+    monkeypatch.setattr(quant_speed, "serve_gguf", fake_serve)
+    row = qm.gguf_rung_speedup("Q3_K_M", ["p"], 8, n_threads=1, repeats=2)
+    assert row["decode_speedup"] == 1.7
+    assert seen["paths"] == {"gguf F16": "f16.gguf", "gguf Q3_K_M": "Q3_K_M.gguf"} and seen["ref"] == qm.GGUF_REF
+    assert seen["concurrency"] == 1 and seen["repeats"] == 2
+
+
+@pytest.mark.slow
+def test_gguf_rung_bits_reads_what_llama_cpp_wrote():
+    """Q8_0 stores 34 bytes per 32 weights (8.5 bits) in every weight matrix: the measured bits
+    per weight of the derived file say so, whatever its name says."""
+    from infercourse.lessons.quant_methods import gguf_rung_bits
+    assert 8.4 < gguf_rung_bits("Q8_0") < 8.7

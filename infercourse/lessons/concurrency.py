@@ -44,8 +44,8 @@ from infercourse.measure import bench, noise, roofline
 from infercourse.measure.workloads import Workload, exact_length_prompt
 from infercourse.models.embedded import vocab_tokenizer
 
-__all__ = ["fixed_workload", "decode_params_per_token", "batch_ceiling", "np_sweep", "vllm_sweep", "staggered", "littles_law", "cb_compare",
-           "open_loop", "cb_prediction", "cb_sentence", "limit_sentence"]
+__all__ = ["fixed_workload", "decode_params_per_token", "batch_ceiling", "np_sweep", "one_level", "vllm_sweep", "staggered",
+           "littles_law", "cb_compare", "open_loop", "cb_prediction", "cb_sentence", "limit_sentence"]
 
 
 def fixed_workload(prompt_tokens: int, max_tokens: int, n: int, *, model: str | Path | None = None,
@@ -195,6 +195,25 @@ def np_sweep(workload: Workload, levels: Sequence[int], *, requests_per_level: i
             table.loc[n, "decode_verdict"] = c.verdict.replace(" faster", " more decode tok/s") if c else "reference"
         table.attrs.update(noise_floor=floor.floor, noise_floor_text=floor.text())
     return table, [r for r, k in zip(runs, keep) if k]
+
+
+def one_level(level: int, *, prompt_tokens: int, max_tokens: int, requests: int, model=None,
+              threads: int | None = None, out_dir: str | Path | None = None) -> pd.Series:
+    """One closed-loop level measured once, outside the sweep: a llama-server with `level`
+    slots and `level` users sending fresh prompts of exactly `prompt_tokens` tokens, each
+    answer forced to `max_tokens`. Every user sends at least two requests. Returns the row
+    `np_sweep` gives a level (`output_tok_per_s`, `decode_tok_per_s`, p50s, `prefill_share`...),
+    one trial, so no verdict: read it against the sweep's A/A band.
+
+    Args:
+        level: users = slots; prompt_tokens, max_tokens: the one request shape.
+        requests: requests measured (raised to 2 x level when fewer).
+        model, threads: the server's settings; out_dir: where the run is saved (None: not).
+    """
+    wl = fixed_workload(prompt_tokens, max_tokens, 2 * level, model=model)
+    table, _ = np_sweep(wl, [level], requests_per_level=max(requests, 2 * level), model=model, threads=threads,
+                        ctx_per_slot=prompt_tokens + max_tokens + 64, out_dir=out_dir)
+    return table.loc[level]
 
 
 def vllm_sweep(workload: Workload, levels: Sequence[int], *, requests_per_level: int, url: str | None = None,

@@ -40,7 +40,7 @@ from infercourse.servers import LlamaServer
 
 __all__ = ["serve", "requests_for", "one_request", "anatomy", "sequential", "distribution_table", "pooled_tail_by_blocks", "pooled_tail_note",
            "peer_table", "rechunk", "chunking_table", "predicted_wait", "overload", "measured_wait", "wait_table", "server_vs_client",
-           "clock_verdicts", "service_drift"]
+           "clock_verdicts", "service_drift", "overload_wait", "e2e_p50_s"]
 
 
 @contextlib.contextmanager
@@ -346,3 +346,42 @@ def service_drift(unloaded_s: float, wait: dict[str, float], asked: float) -> st
     return head + (f": the machine was {'slower' if r > 1 else 'faster'} during the overload run (another program "
                    "starting or stopping, or a warmer cache). Compare the last request's wait with the arithmetic "
                    "at the applied overload; the even/odd A/A floor cannot see this drift between runs.")
+
+
+def overload_wait(p: Profile, service_s: float, *, factor: float, n: int, client_queue: bool = False,
+                  results_root: str | Path | None = None) -> float:
+    """One more overload run on a fresh server (after one warm-up request): the last
+    request's E2E from its scheduled send, in units of that run's own S (`measured_wait`),
+    the number `predicted_wait(n, factor)` predicts.
+
+    Args:
+        p: the profile (its server, prompt and answer lengths); service_s: one request's
+            time alone, which sets the rate (`factor` / service_s).
+        factor, n, client_queue, results_root: as in `overload`.
+    """
+    with serve(p) as engine:
+        reqs = requests_for(engine, p)
+        for _ in engine.stream(reqs[-1]):   # warm-up, untimed
+            pass
+        w = measured_wait(overload(engine, reqs, service_s, factor=factor, n=n, client_queue=client_queue,
+                                   results_root=results_root))
+    return w["last_e2e_s"] / w["service_s"]
+
+
+def e2e_p50_s(p: Profile, n: int, *, max_tokens: int, results_root: str | Path | None = None) -> float:
+    """Median E2E (s) of `n` unloaded requests, one after another on a fresh server (after
+    one warm-up), each answer forced to `max_tokens` tokens: the profile with one length
+    changed, for a prediction TTFT + (max_tokens - 1) x TPOT to be checked against.
+
+    Args:
+        p: the profile; n: requests; max_tokens: forced output tokens per request.
+        results_root: where the run is saved (None: not saved).
+    """
+    q = p.with_(max_tokens=max_tokens)
+    with serve(q) as engine:
+        reqs = requests_for(engine, q)
+        for _ in engine.stream(reqs[-1]):
+            pass
+        res = sequential(engine, reqs, n, results_root, label=f"latency_sequential_{max_tokens}tok")
+    ok = res.df[res.df["status"] == "ok"]
+    return float(ok["e2e_s"].median()) if len(ok) else float("nan")

@@ -38,8 +38,8 @@ from infercourse.core.hashing import content_hash
 from infercourse.models.embedded import cache_dir
 
 __all__ = ["TRAIN_TOPICS", "HELDOUT_TOPICS", "chat_ids", "generate_docs", "trunk_features",
-           "make_heads", "train_heads", "heads_drafter", "heldout_acceptance", "versus_yardstick",
-           "findings", "trained_heads"]
+           "make_heads", "train_heads", "heads_drafter", "draft_length_run", "heldout_acceptance",
+           "versus_yardstick", "findings", "trained_heads"]
 
 TRAIN_TOPICS = ["a lighthouse keeper", "how bread rises", "the water cycle", "a chess opening",
                 "why cats purr", "how a bicycle stays upright", "a rainy market day", "volcanoes",
@@ -224,10 +224,30 @@ def train_heads(model, feats: list[dict], *, n_heads: int = 2, kind: str = "medu
                    "samples": len(H), "train_s": time.perf_counter() - t0}
 
 
-def heads_drafter(heads, min_prob: float = 0.0):
+def heads_drafter(heads, min_prob: float = 0.0, max_draft: int | None = None):
     """A `speculative_greedy` drafter: the heads' guesses from the verified hidden state,
-    only as far as each guess has probability >= `min_prob` (0: always all heads)."""
-    return lambda seq, h: heads.draft(h, seq[-1], min_prob)
+    only as far as each guess has probability >= `min_prob` (0: always all heads), and at
+    most the first `max_draft` of them (None: every head; 1: draft length one)."""
+    return lambda seq, h: heads.draft(h, seq[-1], min_prob)[:max_draft]
+
+
+def draft_length_run(model, ids: Sequence[int], heads, draft_len: int, max_new: int, *, repeats: int = 1):
+    """Self-speculative decoding that keeps only the first `draft_len` guesses of `heads`,
+    beside plain decoding (`draft_verify.compare_drafters`, plain first: the reference).
+    Returns the heads' row: `tokens_per_pass`, `speed_up` (with `repeats` >= 2, judged
+    against plain decoding's A/A rerun in `verdict`), `identical`...
+
+    Args:
+        model: the frozen base model; ids: prompt token ids; heads: trained heads.
+        draft_len: guesses proposed per pass (1 .. heads.n_heads).
+        max_new: tokens to generate; repeats: interleaved runs per drafter.
+    """
+    from infercourse.lessons.draft_verify import compare_drafters
+    if not 1 <= draft_len <= heads.n_heads:
+        raise ValueError(f"draft_len must be 1..{heads.n_heads} (the heads there are), got {draft_len}")
+    drafters = {"plain (no drafts)": lambda seq, h: [],
+                f"first {draft_len} head(s)": heads_drafter(heads, max_draft=draft_len)}
+    return compare_drafters(model, ids, max_new, drafters, repeats=repeats).set_index("drafter").iloc[-1]
 
 
 def heldout_acceptance(heads, feats: list[dict], start: Sequence[int]):

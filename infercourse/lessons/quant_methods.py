@@ -39,7 +39,8 @@ import numpy as np
 from infercourse.core.errors import ModelLayerError
 
 __all__ = ["score_hf", "score_gguf", "quality_row", "measure_methods", "add_speedups",
-           "real_kernels", "predicted_bytes", "status_table", "GGUF_REF"]
+           "real_kernels", "kernel_speedup", "predicted_bytes", "status_table", "gguf_rung_bits",
+           "gguf_rung_speedup", "GGUF_REF"]
 
 GGUF_REF = "gguf F16"   # the GGUF rungs' reference: the same weights, unrounded, on the same runtime
 
@@ -135,6 +136,42 @@ def real_kernels(profile_name: str, prompts: Sequence[str], *, max_tokens: int =
             rows.append({"format": name, "profile": p.name, **{k: v for k, v in row.items() if "speedup" not in k},
                          **served_row(srv, prompts, max_tokens, concurrency), "batching": f"continuous ({srv.name})"})
     return pd.DataFrame(rows)
+
+
+def kernel_speedup(kernels, fmt: str) -> float:
+    """Decode tok/s of row `fmt` of a `real_kernels` table over its first row (the 16-bit
+    reference on the same runtime: "mlx f16" on a Mac, "vllm bf16" on a GPU)."""
+    speed = kernels.set_index("format")["decode_tok_per_s"]
+    if fmt not in speed.index:
+        raise ValueError(f"no row {fmt!r} in the kernels table: {list(speed.index)}")
+    return float(speed[fmt] / speed.iloc[0])
+
+
+def gguf_rung_bits(qtype: str) -> float:
+    """Bits per weight of a GGUF rung as llama.cpp really wrote it (derived once, cached):
+    8 x tensor bytes / parameters. The rung's name is the quantizer's *request*; rows whose
+    length is not a multiple of 256 fall back to other types (`quant_grid`), and some
+    tensors keep more bits, so this can sit far from the name's nominal bits."""
+    from infercourse.lessons.quantization import ladder_paths
+    from infercourse.models.modelcard import model_card
+    return float(model_card(ladder_paths([qtype], include_original=False)[qtype]).bits_per_weight)
+
+
+def gguf_rung_speedup(qtype: str, prompts: Sequence[str], max_tokens: int, *, n_threads: int = 1,
+                      repeats: int = 4) -> dict:
+    """One GGUF rung against GGUF F16 on llama-server, measured as `measure_methods`
+    measures its GGUF rows (interleaved requests, F16 rerun as the A/A arm; one slot each
+    here). Returns the rung's row: `decode_speedup`, its interval and `decode_verdict`.
+
+    Args:
+        qtype: a llama.cpp file type, e.g. "Q3_K_M" (derived once, cached).
+        prompts, max_tokens, n_threads, repeats: as in `measure_methods`.
+    """
+    from infercourse.lessons.quantization import ladder_paths
+    from infercourse.measure import quant_speed as qs
+    paths = {f"gguf {k}": v for k, v in ladder_paths([qtype], include_original=False).items()}
+    rows = qs.serve_gguf(paths, GGUF_REF, prompts, max_tokens, n_threads=n_threads, concurrency=1, repeats=repeats)
+    return rows[f"gguf {qtype}"]
 
 
 def measure_methods(methods: Sequence[str], gguf_paths: dict[str, str | Path], *, eval_text: str,
