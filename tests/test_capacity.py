@@ -1,10 +1,17 @@
 """Notebook 16's measured capacity: the largest session count whose later turns met the
 TTFT SLO, on tables built from hand-made per-turn frames (no server): a count where every
-turn failed is over capacity, however the fraction of an empty set reads."""
+turn failed is over capacity, however the fraction of an empty set reads. Then the
+sentences notebooks 16 and 21 write from their runs (issue 26), fed synthetic results each
+way: they flip when the numbers flip, and say "within noise" / "cannot" where the numbers
+allow no verdict."""
 import math
+from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
+import pytest
 
+from infercourse.lessons import capacity, capstone
 from infercourse.lessons.capacity import measured_capacity
 from infercourse.measure.sessions import sessions_summary
 
@@ -49,3 +56,226 @@ def test_capacity_stops_at_the_first_count_under_the_slo():
     assert table.loc[3, "good_fraction_later"] == 0.0 and table.loc[4, "good_fraction_later"] == 1.0
     assert measured_capacity(table) == 2
     assert measured_capacity(table, column="good_fraction") == 2
+
+
+
+# ---- notebook 16: the prediction, with K slots ---------------------------------------------------
+def _one(service_s=1.0, think_s=0.5, turns=4):
+    """One session alone: every later turn takes `service_s`, the tool `think_s` between turns."""
+    rows, t = [], 0.0
+    for turn in range(turns):
+        rows.append({"turn": turn, "status": "ok", "prompt_tokens": 600 + 150 * turn, "output_tokens": 16,
+                     "e2e_s": service_s, "sent_t": t, "end_t": t + service_s})
+        t += service_s + think_s
+    return pd.DataFrame(rows)
+
+
+def test_the_prediction_counts_the_slots_and_gives_back_a_serial_server_at_one():
+    one = _one(service_s=1.0, think_s=0.5)
+    serial = capacity.predict_capacity(one, slots=1, slot_ctx=4096, kv_bytes_per_token=1, gain=1.0)
+    assert serial["throughput_limit"] == pytest.approx(0.7 * 1.5 / 1.0)      # u (think + service) / service
+    two = capacity.predict_capacity(one, slots=2, slot_ctx=4096, kv_bytes_per_token=1, gain=1.0)
+    assert two["throughput_limit"] == pytest.approx(0.7 * (0.5 + 2))          # u (g think / service + K)
+    batched = capacity.predict_capacity(one, slots=2, slot_ctx=4096, kv_bytes_per_token=1, gain=1.8)
+    assert batched["throughput_limit"] == pytest.approx(0.7 * (1.8 * 0.5 + 2))
+    assert two["kv_limit"] == 2 and two["predicted"] == pytest.approx(min(2, 0.7 * 2.5))
+
+
+def _row(predicted, measured, kv=9.0, gain=1.0, think=0.05, service=1.0, slots=2, u=0.7):
+    tput = predicted if predicted < kv else predicted + 1
+    return {"predicted": predicted, "measured": measured, "kv_limit": kv, "throughput_limit": tput,
+            "gain": gain, "think_s": think, "service_s": service, "slots": slots, "utilisation": u}
+
+
+def test_capacity_sentence_flips_between_conservative_agree_and_optimistic():
+    counts = [1, 2, 3, 4]
+    low = capacity.capacity_sentence("off", _row(1.42, 2), counts)
+    agree = capacity.capacity_sentence("off", _row(2.4, 2), counts)
+    high = capacity.capacity_sentence("off", _row(3.6, 2), counts)
+    assert "**conservative**" in low and "implied utilisation of 0.98" in low and "optimistic" not in low
+    assert "**agree**" in agree and "conservative" not in agree and "optimistic" not in agree
+    assert "**optimistic**" in high and "3 sessions already missed" in high and "conservative" not in high
+    assert "not judged against noise" in low
+    top = capacity.capacity_sentence("off", _row(5.0, 4), counts)          # every count met the SLO
+    assert "at least 4" in top and "cannot check" in top
+    kv = capacity.capacity_sentence("off", _row(2.0, 3, kv=2.0), counts)   # the KV limit bound, and was passed
+    assert "KV limit" in kv and "re-prefill" in kv
+
+
+def test_knee_sentence_places_the_knee_against_the_slots():
+    at = capacity.knee_sentence("off", {"sessions_at_knee": 2, "first_evicting": 3}, 2, [1, 2, 3, 4])
+    early = capacity.knee_sentence("off", {"sessions_at_knee": 1, "first_evicting": 2}, 2, [1, 2, 3, 4])
+    past = capacity.knee_sentence("on", {"sessions_at_knee": 3, "first_evicting": 4}, 2, [1, 2, 3, 4])
+    none = capacity.knee_sentence("on", {"sessions_at_knee": 4, "first_evicting": None}, 2, [1, 2, 3, 4])
+    assert "**at the slot count**" in at and "before" not in at and "past" not in at
+    assert "**at or before**" in early and "at the slot count" not in early
+    assert "**past**" in past and "at the slot count" not in past
+    assert "beyond the counts tried" in none
+    gap = capacity.knee_sentence("off", {"sessions_at_knee": 1, "first_evicting": 3}, 2, [1, 3])   # 2 not tried
+    assert "**consistent with**" in gap and "2 was not tried" in gap and "at the slot count" not in gap
+    assert "never went past the 2 slots" in capacity.knee_sentence("x", {"sessions_at_knee": 2, "first_evicting": None},
+                                                                  2, [1, 2])
+
+
+# ---- notebook 16: round-robin against cache-aware --------------------------------------------------
+def _policy_trials(ratio, blocks=4, spread=0.02, seed=0):
+    """Per-run rows of the policy trials: round-robin, its A/A rerun, and cache-aware at
+    `ratio` x round-robin's later-turn TTFT p50, every run with a little noise."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for b in range(blocks):
+        base = 1.0 + 0.3 * b                          # a drift between blocks hits every arm alike
+        for arm, r, hit in (("round_robin", 1.0, 0.4), ("round_robin-AA", 1.0, 0.4), ("cache_aware", ratio, 0.85)):
+            rows.append({"rep": b, "arm": arm, "policy": arm.replace("-AA", ""), "turns": 16, "turns_ok": 16,
+                         "cache_hit_rate_later": hit, "ttft_p95_s": 2.0,
+                         "ttft_p50_later_s": base * r * (1 + rng.normal(0, spread))})
+    return pd.DataFrame(rows)
+
+
+def test_policy_text_flips_with_the_verdict_and_says_when_there_is_none():
+    ca = capacity.policy_text(capacity.judge_policies(_policy_trials(0.5)))
+    rr = capacity.policy_text(capacity.judge_policies(_policy_trials(2.0)))
+    same = capacity.policy_text(capacity.judge_policies(_policy_trials(1.0)))
+    assert "cache_aware faster" in ca and "round_robin faster" not in ca
+    assert "round_robin faster" in rr and "cache_aware faster" not in rr
+    assert "within noise" in same and "faster," not in same
+    assert "higher in 4 of 4 block(s)" in ca
+    one = capacity.judge_policies(_policy_trials(0.5, blocks=1))
+    assert one["verdict"] is None
+    text = capacity.policy_text(one)
+    assert "no A/A floor" in text and "cannot say" in text and "faster" not in text
+    two = capacity.policy_text(capacity.judge_policies(_policy_trials(0.5, blocks=2)))
+    assert "can never pass" in two and "within noise" in two          # 2 blocks: the joint test needs 3
+
+
+# ---- notebook 16: the drill -------------------------------------------------------------------------
+def _story(errors, retries, read=True):
+    df = pd.DataFrame({"session": [0, 0, 1, 1, 2], "status": ["ok", "ok", "ok", "ok", "ok"], "error": [None] * 5,
+                       "end_t": [1.0, 2.0, 3.0, 4.0, 5.0]})
+    for i, e in enumerate(errors):
+        df.loc[2 + i, ["status", "error"]] = ["error", e]
+    story = {"fired_after_turns": 2, "turns_after": 3, "ok_after": 3 - len(errors), "errors_after": len(errors),
+             "failed": len(errors), "error_kinds": {}, "sessions_lost": df.loc[df.status != "ok", "session"].nunique(),
+             "finished_on_disk": 5, "rows": 5, "errors": sorted(set(e[:90] for e in errors)),
+             "router": {"retries": retries, "retries_exhausted": 0, "upstream_not_200": len(errors),
+                        "client_not_200": len(errors)} if read else None}
+    from collections import Counter
+    story["error_kinds"] = dict(Counter(capacity._error_kind(e) for e in errors))
+    return story
+
+
+def test_kill_text_says_what_the_rows_and_counters_show():
+    http = "server at 127.0.0.1:1 answered HTTP 500: error sending request"
+    cut = "APILayerError: stream from 127.0.0.1:1 was cut mid-way (RemoteProtocolError: peer closed)"
+    passed = capacity.kill_text(_story([http], retries=0))
+    assert "1 × HTTP 500 answer" in passed and "No request was retried" in passed and "retried 0" not in passed
+    both = capacity.kill_text(_story([cut, http], retries=1))
+    assert "1 × stream cut after it had started" in both
+    assert "The router retried 1 request(s), yet 2 failure(s)" in both
+    clean = capacity.kill_text(_story([], retries=2))
+    assert "No failure reached the client" in clean and "retried elsewhere" in clean
+    http_only = capacity.kill_text(_story([http], retries=2))
+    assert "error answer is what the router passes on" in http_only and "cannot be retried" not in http_only
+    blind = capacity.kill_text(_story([http], retries=0, read=False))
+    assert "cannot show a retry" in blind and "No request was retried" not in blind
+    assert "Every finished turn is on disk (5 of 5)" in passed
+
+
+def test_router_counters_sum_the_prometheus_lines(tmp_path, monkeypatch):
+    import httpx
+    log = tmp_path / "router.log"
+    log.write_text("$ python -m sglang_router.launch_router --prometheus-port 1111\n"
+                   "$ python -m sglang_router.launch_router --prometheus-port 2222\nstarted\n")
+    text = ('# HELP x\nsmg_worker_retries_total{worker_type="regular",endpoint="chat"} 2\n'
+            'smg_router_upstream_responses_total{router_type="http",status_code="200",error_code=""} 6\n'
+            'smg_router_upstream_responses_total{router_type="http",status_code="500",error_code="x"} 1\n'
+            'smg_http_responses_total{status_code="200",error_code=""} 9\n'
+            'smg_http_responses_total{status_code="500",error_code="x"} 1\n')
+    asked = []
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: asked.append(url) or SimpleNamespace(text=text))
+    got = capacity.router_counters(SimpleNamespace(router=SimpleNamespace(log_path=log)))
+    assert asked == ["http://127.0.0.1:2222/metrics"]          # the last start's port
+    assert got == {"retries": 2, "retries_exhausted": 0, "upstream_not_200": 1, "client_not_200": 1}
+    assert capacity.router_counters(SimpleNamespace(router=SimpleNamespace(log_path=tmp_path / "none"))) is None
+
+
+# ---- notebook 21: the fastest route, only beyond both routes' A/A noise ------------------------------
+def _replay(route, ttft, e2e=None):
+    n = len(ttft)
+    return pd.DataFrame({"route": route, "request_id": range(n), "ttft_s": ttft,
+                         "e2e_s": e2e if e2e is not None else np.array(ttft) * 2,
+                         "status": ["ok"] * n, "error": [None] * n})
+
+
+def _routes(c, d):
+    """Baseline and its A/A repeat of routes C and D: TTFT per call, the repeat within 1-3%."""
+    base = pd.concat([_replay("C", c), _replay("D", d)])
+    again = pd.concat([_replay("C", np.array(c) * [1.02, 0.99, 1.03]), _replay("D", np.array(d) * [0.98, 1.01, 1.02])])
+    return base, again
+
+
+def test_fastest_names_a_route_only_beyond_both_floors_and_flips():
+    calls = np.array([1.0, 2.0, 3.0])
+    c_wins = capstone.fastest(*_routes(calls, calls * 1.5))
+    d_wins = capstone.fastest(*_routes(calls * 1.5, calls))
+    tie = capstone.fastest(*_routes(calls, calls * 1.002))          # 0.2%: the issue's 1.341 s against 1.343 s
+    assert c_wins["route"] == c_wins["answer"] == "C" and "**Route C answered fastest**" in c_wins["text"]
+    assert d_wins["route"] == "D" and "**Route D answered fastest**" in d_wins["text"]
+    assert tie["route"] is None and tie["answer"] == "none"
+    assert "**No route is distinguishable as fastest**" in tie["text"] and "answered fastest" not in tie["text"]
+    assert "within noise" in tie["text"]
+
+
+def test_fastest_with_two_calls_can_never_name_a_route():
+    calls = np.array([1.0, 2.0])
+    base = pd.concat([_replay("C", calls), _replay("D", calls * 3)])
+    again = pd.concat([_replay("C", calls * 1.01), _replay("D", calls * 3.02)])
+    got = capstone.fastest(base, again)
+    assert got["route"] is None and "can never pass" in got["text"] and "too few of the same calls" in got["text"]
+    assert "did not clear the A/A noise" not in got["text"]      # the reason is the count, not the noise
+
+
+def test_fastest_with_one_route_has_nothing_to_rank():
+    got = capstone.fastest(_replay("C", [1.0, 2.0, 3.0]), _replay("C", [1.0, 2.0, 3.0]))
+    assert got["route"] is None and got["answer"] == "C" and "no other route to rank" in got["text"]
+
+
+# ---- notebook 21: a delay fault, predicted from the baseline's own calls -----------------------------
+def test_predicted_e2e_follows_what_each_delay_fault_does():
+    base = _replay("C", [0.2, 0.3, 0.4], e2e=[2.0, 2.0, 2.0])
+    assert capstone.predicted_e2e(base, "latency", 0.5) == pytest.approx(2.5)
+    assert capstone.predicted_e2e(base, "slow_first_byte", 0.5) == pytest.approx(2.0)   # hidden in the decode
+    assert capstone.predicted_e2e(base, "slow_first_byte", 3.0) == pytest.approx(3.3)
+    with pytest.raises(ValueError):
+        capstone.predicted_e2e(base, "cut", 1.0)
+
+
+def test_delay_text_flips_with_the_change():
+    base = _replay("C", [0.2, 0.3, 0.4], e2e=[2.0, 3.0, 4.0])
+    again = _replay("C", [0.2, 0.3, 0.4], e2e=[2.02, 2.97, 4.04])
+    floor = capstone.floors(base, again)
+    slow = capstone.delay_text(base, _replay("C", [0.7, 0.8, 0.9], e2e=[3.0, 4.0, 5.0]), "latency", 1.0, floor)
+    hidden = capstone.delay_text(base, _replay("C", [0.7, 0.8, 0.9], e2e=[2.01, 2.99, 4.0]), "slow_first_byte", 0.5,
+                                 floor)
+    assert "baseline faster" in slow and "within noise" not in slow
+    assert "within noise" in hidden and "faster," not in hidden
+    assert "predicted 4 s, measured 4 s" in slow and "predicted 3 s" in hidden
+
+
+def test_policy_prediction_is_the_ratio_of_uncached_shares():
+    routed = capacity.judge_policies(_policy_trials(0.5))       # hit rates: round-robin 0.4, cache-aware 0.85
+    assert capacity.policy_prediction(routed) == pytest.approx(0.15 / 0.6)
+
+
+def test_the_exercises_run_nothing_until_a_guess_is_written(capsys, monkeypatch):
+    ran = []
+    monkeypatch.setattr(capstone, "delay_trial", lambda *a, **k: ran.append(a))
+    base = _replay("C", [0.2, 0.3, 0.4], e2e=[2.0, 3.0, 4.0])
+    assert capstone.delay_exercise(None, [], base, {}, "latency", 0.5, 3, 8, "/nowhere") is None and not ran
+    assert capacity.knee_exercise(None, None, 3, 2048, 1, None, 2.0, "/nowhere") is None
+    assert capstone.ratio_exercise(None, base, base, "D") is None
+    assert "not answered" in capsys.readouterr().out.lower()
+    missing = capstone.delay_exercise(3.0, [], base, {}, "latency", 0.5, 3, 8, "/nowhere")   # no route C here
+    assert missing["measured"] is None and missing["predicted"] == pytest.approx(3.5)
+    assert "did not run" in missing["text"]
+    assert capstone.ratio_exercise(1.2, base, base, "D")["measured"] is None

@@ -64,3 +64,29 @@ def test_llama_server_refuses_a_prompt_of_exactly_its_window():
         below, at = send(n_ctx - 1), send(n_ctx)
     assert below.status_code == 200, below.text
     assert at.status_code == 400 and "context size" in at.text, at.text
+
+
+def test_summary_lines_follow_the_cache_table_and_the_api_ratio():
+    import pandas as pd
+    table = pd.DataFrame({"cached_share": [0.9, 0.05], "ttft_vs_first": [1.0, 4.2]},
+                         index=["header fixed", "buster"])
+    per_api = pd.DataFrame({"prompt_tokens": [1.0], "cached_tokens": [1.0], "ttft_s": [1.1]},
+                           index=["anthropic / openai"])
+    text = coding_agent.summary_lines(table, per_api)
+    assert "reused **90%**" in text and "**4.2×**" in text and "The cache was busted." in text
+    assert "the same prompt tokens" in text and "and the same cached tokens" in text
+    table.loc["buster", "cached_share"] = 0.8
+    per_api.loc["anthropic / openai", ["prompt_tokens", "cached_tokens"]] = [1.2, 1.15]
+    text = coding_agent.summary_lines(table, per_api)
+    assert "did not halve the reuse" in text and "different prompt tokens" in text and "cached counts differ" in text
+
+
+def test_prefill_sentence_says_what_each_prefill_did():
+    import pandas as pd
+    rows = pd.DataFrame([{"prefill": '<tool_call>\n{"name"', "tool_use": {"path": "a.py"}, "stop_reason": "tool_use", "error": None},
+                         {"prefill": "…</tool_call>", "tool_use": None, "stop_reason": None, "error": "API: bad parse"}])
+    text = coding_agent.prefill_sentence(rows)
+    assert "opening of a call: the server's parser streamed a **tool_use** block {'path': 'a.py'}" in text
+    assert "complete call: the stream ended in an **error** (API: bad parse)" in text
+    rows.loc[1, "error"] = None
+    assert "**no tool_use** block and no error" in coding_agent.prefill_sentence(rows)

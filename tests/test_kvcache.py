@@ -117,3 +117,33 @@ def test_cache_keyword_is_the_one_forward_takes_and_the_cache_fills():
     got = kvcache.hf_cache_bytes(model, ids)
     # 2 (K, V) x 3 layers x 2 KV heads x 16 dims x 4 bytes (float32) per token
     assert got["tokens"] == 7 and got["bytes_per_token"] == 2 * 3 * 2 * 16 * 4
+
+
+def _loop_rows(naive_steps, cached_steps):
+    import pandas as pd
+    rows = []
+    for name, st in (("no cache", naive_steps), ("KV cache", cached_steps)):
+        el = 0.0
+        for k, s in enumerate(st):
+            el += s
+            rows.append({"loop": name, "step": k, "step_s": s, "elapsed_s": el})
+    return pd.DataFrame(rows)
+
+
+def test_step_trend_calls_a_trend_only_when_the_quarters_do_not_overlap():
+    rising = [1.0] + [0.01 * (10 + i) for i in range(16)]
+    assert kvcache.step_trend(rising) == "climbs"
+    assert kvcache.step_trend(rising[:1] + rising[:0:-1]) == "falls"
+    assert kvcache.step_trend([1.0] + [0.02, 0.03] * 8) == "flat"
+    assert kvcache.step_trend([1.0, 0.1, 0.2, 0.3]) == "too few steps"
+
+
+def test_explain_loops_flips_with_the_numbers():
+    naive = [1.0] + [0.01 * (10 + i) for i in range(16)]       # climbing, 2.8 s in all
+    cached = [1.0] + [0.02, 0.03] * 8                          # flat, 1.4 s in all
+    text = kvcache.explain_loops(_loop_rows(naive, cached), work_ratio=5.0)
+    assert "**climbed**" in text and "cached loop's stayed **flat**" in text and "*less* than the 5.0×" in text
+    text = kvcache.explain_loops(_loop_rows(naive, cached), work_ratio=1.5)
+    assert "*not less* than the 1.5×" in text
+    text = kvcache.explain_loops(_loop_rows(cached, naive), work_ratio=5.0)
+    assert "naive loop's step time stayed **flat**" in text and "cached loop's **climbed**" in text

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from infercourse.lessons import mtp  # noqa: E402
+from infercourse.lessons import draft_verify as dv, mtp  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +107,12 @@ def test_draft_length_caps_the_guesses_and_keeps_greedy_output(tiny):
     h = feats[0]["H"][5]
     assert len(mtp.heads_drafter(heads, max_draft=1)([3], h)) == 1 and len(mtp.heads_drafter(heads)([3], h)) == 2
     ids = _docs(1, 8)[0]
-    one, two = (mtp.draft_length_run(tiny, ids, heads, k, 20) for k in (1, 2))
+    one, two = (mtp.draft_length_run(tiny, ids, heads, k, 20, compare=dv.compare_drafters) for k in (1, 2))
     assert one.name == "first 1 head(s)" and one["identical"] and two["identical"]
     assert one["proposed"] <= one["passes"] and 1.0 <= one["tokens_per_pass"] <= 2.0
     assert two["proposed"] > two["passes"] >= one["proposed"]      # uncapped: two guesses on most passes
     with pytest.raises(ValueError, match="draft_len"):
-        mtp.draft_length_run(tiny, ids, heads, 3, 20)
+        mtp.draft_length_run(tiny, ids, heads, 3, 20, compare=dv.compare_drafters)
 
 
 def test_compare_drafters_repeats_interleaved_with_an_aa_floor(tiny):

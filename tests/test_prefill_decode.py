@@ -84,3 +84,37 @@ def test_arithmetic_intensity_and_balance_by_hand():
 def test_measure_ceilings_are_positive_and_labelled():
     m = sweeps.measure_ceilings(1, size_mb=32, matmul_n=256)
     assert m["bandwidth_gbs"] > 0.1 and m["gflops"] > 0.1 and m["threads"] == 1
+
+
+def _sweep(ttft, prefill, decode):
+    """A synthetic sweep frame: one row per (length, value) given as {length: [values]}."""
+    import pandas as pd
+    rows = [{"prompt_len": n, "ttft_s": t, "prefill_tok_per_s": p, "decode_tok_per_s": d}
+            for n in ttft for t, p, d in zip(ttft[n], prefill[n], decode[n])]
+    return pd.DataFrame(rows)
+
+
+def test_explain_phases_sentences_flip_with_the_numbers():
+    ceil = lambda ctx: 100.0
+    # prefill far cheaper per token, TTFT in proportion, decode falling beyond the repeats' spread
+    df = _sweep({16: [0.016, 0.016], 1024: [1.024, 1.024]}, {16: [1000, 1000], 1024: [1000, 1000]},
+                {16: [50.0, 51.0], 1024: [40.0, 40.5]})
+    text = sweeps.explain_phases(df, slope_s=0.001, prefill_ceiling=2000.0, decode_ceiling=ceil)
+    assert "about in proportion" in text and "prefill was the cheaper phase here, **19.8×**" in text
+    assert "**falling**" in text and "50% of the compute ceiling" in text
+    # a fixed cost dominates TTFT, prefill no cheaper than decode, decode flat in its noise
+    df = _sweep({16: [0.5, 0.5], 1024: [1.0, 1.0]}, {16: [30, 30], 1024: [30, 30]},
+                {16: [50.0, 60.0], 1024: [55.0, 56.0]})
+    text = sweeps.explain_phases(df, slope_s=0.0005, prefill_ceiling=2000.0, decode_ceiling=ceil)
+    assert "less than in proportion" in text and "*not* the cheaper phase" in text and "**flat**" in text
+    # one request per length: no noise band, so the decode trend is not judged
+    df = _sweep({16: [0.01], 1024: [2.0]}, {16: [600], 1024: [600]}, {16: [50.0], 1024: [40.0]})
+    text = sweeps.explain_phases(df, slope_s=0.002, prefill_ceiling=2000.0, decode_ceiling=ceil)
+    assert "more than in proportion" in text and "not judged" in text and "about the same" not in text
+
+
+def test_bound_follows_the_balance_point():
+    card = {"n_params": 100_000_000, "weight_bytes": 50_000_000}       # 4 FLOP/byte per token
+    assert sweeps.bound(card, 1, balance=10.0) == "bandwidth-bound"
+    assert sweeps.bound(card, 1, balance=3.0) == "compute-bound"
+    assert sweeps.bound(card, 256, balance=10.0) == "compute-bound"

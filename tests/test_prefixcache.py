@@ -104,3 +104,28 @@ def test_cold_warm_llamacpp(llamacpp_engine, tmp_path, monkeypatch):
     a, b = (llamacpp_engine.prompt_tokens(r) for r in ts_reqs)
     assert (ts["state"] == "cold").all() and ts["prompt_n"].iloc[1] == len(b) - pc.first_divergence(a, b)
     assert pc.first_divergence(a, b) < 20     # the seconds digit, on the first line
+
+
+def _cw(cold, warm):
+    import pandas as pd
+    rows = [{"cache_prompt": False, "state": "cold", "ttft_s": t} for t in cold]
+    rows += [{"cache_prompt": True, "state": "cold", "ttft_s": cold[0]}]     # the cache run's first request
+    rows += [{"cache_prompt": True, "state": "warm", "ttft_s": t} for t in warm]
+    return pd.DataFrame(rows)
+
+
+def test_cold_warm_sentence_ranks_only_separated_groups_and_flips():
+    text = pc.cold_warm_sentence(_cw([1.0, 1.1], [0.1, 0.12]), predicted_share=0.05)
+    assert "**9.5× faster** warm" in text and "more than the predicted share" in text
+    text = pc.cold_warm_sentence(_cw([0.1, 0.11], [0.2, 0.3]), predicted_share=0.05)
+    assert "warm was **slower**" in text and "faster" not in text
+    text = pc.cold_warm_sentence(_cw([0.5, 1.0], [0.6, 0.7]), predicted_share=0.9)
+    assert "overlap" in text and "cannot rank" in text and "about the predicted share" in text
+    text = pc.cold_warm_sentence(_cw([1.0, 1.0], [0.01, 0.01]), predicted_share=0.1)
+    assert "less than the predicted share" in text
+
+
+def test_cache_loss_sentence_follows_the_counts():
+    assert "fell from **500** to **20**" in pc.cache_loss_sentence("timestamp", 500, 20, 19)
+    assert "stayed at **500**" in pc.cache_loss_sentence("same", 500, 500, 510)
+    assert "rose" in pc.cache_loss_sentence("longer", 500, 600, 610)

@@ -189,17 +189,15 @@ def test_kernel_speedup_divides_by_the_first_row_of_its_runtime():
 def test_gguf_rung_speedup_serves_the_rung_beside_f16_and_returns_its_row(monkeypatch):
     """The exercise's rung is measured like the table's GGUF rows: against GGUF F16 on the same
     llama-server build (one slot each here); the rung's row comes back, not the reference's."""
-    from infercourse.lessons import quant_methods as qm, quantization
+    from infercourse.lessons import quant_methods as qm
     from infercourse.measure import quant_speed
     seen = {}
-    monkeypatch.setattr(quantization, "ladder_paths", lambda q, include_original=True:
-                        {"F16": "f16.gguf", **{x: f"{x}.gguf" for x in q}})
 
     def fake_serve(paths, ref, prompts, max_tokens, **kw):
         seen.update(paths=dict(paths), ref=ref, **kw)
         return {k: {"decode_speedup": 1.0 if k == ref else 1.7, "decode_verdict": "v"} for k in paths}
     monkeypatch.setattr(quant_speed, "serve_gguf", fake_serve)
-    row = qm.gguf_rung_speedup("Q3_K_M", ["p"], 8, n_threads=1, repeats=2)
+    row = qm.gguf_rung_speedup("Q3_K_M", "Q3_K_M.gguf", "f16.gguf", ["p"], 8, n_threads=1, repeats=2)
     assert row["decode_speedup"] == 1.7
     assert seen["paths"] == {"gguf F16": "f16.gguf", "gguf Q3_K_M": "Q3_K_M.gguf"} and seen["ref"] == qm.GGUF_REF
     assert seen["concurrency"] == 1 and seen["repeats"] == 2
@@ -210,4 +208,5 @@ def test_gguf_rung_bits_reads_what_llama_cpp_wrote():
     """Q8_0 stores 34 bytes per 32 weights (8.5 bits) in every weight matrix: the measured bits
     per weight of the derived file say so, whatever its name says."""
     from infercourse.lessons.quant_methods import gguf_rung_bits
-    assert 8.4 < gguf_rung_bits("Q8_0") < 8.7
+    from infercourse.lessons.quantization import ladder_paths
+    assert 8.4 < gguf_rung_bits(ladder_paths(["Q8_0"], include_original=False)["Q8_0"]) < 8.7

@@ -139,3 +139,35 @@ def test_cache_line_follows_the_numbers():
     assert "more" not in fits.split("(")[0]
     assert "stay cached" in cache_line(315e6, 269e6, 1.4)
     assert cache_line(None, 269e6, 0.37) == ""
+
+
+def _ladder(speeds, mbu, agreement, nll_shift):
+    """A synthetic `measure_ladder` table: F16, Q8_0, Q2_K, most bytes first; NLLs of Q8_0
+    and Q2_K are F16's plus a noisy shift each."""
+    import pandas as pd
+    rng = np.random.default_rng(0)
+    base = rng.uniform(1, 5, 400)
+    df = pd.DataFrame({"quant": ["F16", "Q8_0", "Q2_K"], "weight_bytes": [270e6, 145e6, 60e6],
+                       "bits_per_weight": [16.0, 8.5, 3.6], "decode_tok_per_s": speeds, "mbu": mbu,
+                       "greedy_agreement": [1.0, *agreement]})
+    df.attrs["token_nlls"] = {"F16": base, "Q8_0": base + nll_shift[0] + rng.normal(0, 0.05, 400),
+                              "Q2_K": base + nll_shift[1] + rng.normal(0, 0.05, 400)}
+    return df
+
+
+def test_ladder_reading_flips_with_the_numbers():
+    from infercourse.lessons.quantization import ladder_reading
+    text = ladder_reading(_ladder([20, 35, 60], [0.5, 0.45, 0.3], [1.0, 0.4], (0.0, 0.5)))
+    assert "rose at every step down in bytes" in text and "belongs to Q2_K" in text and "unpacking" in text
+    assert "(same); Q2_K +0.49" in text and "clearly worse is **Q2_K**" in text
+    assert "No file changed its greedy answers" in text
+    text = ladder_reading(_ladder([20, 45, 40], [0.2, 0.6, 0.5], [0.5, 0.3], (0.0, 0.0)))
+    assert "did not rise at every step" in text and "belongs to F16" in text and "conversion" in text
+    assert "no file scored clearly worse" in text and "Q8_0 (50%), Q2_K (30%) kept F16's perplexity" in text
+
+
+def test_same_scores_sentence_says_same_or_worse():
+    from infercourse.lessons.quantization import same_scores_sentence
+    a = np.linspace(1, 3, 100)
+    assert "**the same**" in same_scores_sentence({"F16": a, "Q4_1": a}, "F16", "Q4_1")
+    assert "**worse**" in same_scores_sentence({"F16": a + 0.1, "Q4_1": a}, "F16", "Q4_1")

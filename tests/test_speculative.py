@@ -158,3 +158,57 @@ def test_speed_ups_are_judged_against_the_baselines_aa_rerun():
     assert df.loc["fast", "verdict"] == "fast faster" and df.loc["fast", "speed_up"] == pytest.approx(2.0)
     assert df.loc["same", "verdict"] == "within noise" and df.loc["same", "noise_floor"] > 0.02
     assert df["identical_output"].all()
+
+
+def _trials(reps, fast=0.5):
+    import pandas as pd
+    rows = []
+    for rep in range(reps):
+        jitter = 1 + 0.01 * ((rep * 7) % 5 - 2)
+        for cfg, e2e in (("hf", 1.0), ("hf + lookup", fast), ("hf (A/A)", 1.0 * (1 + 0.03 * (rep % 3 - 1)))):
+            rows.append({"config": cfg, "prompt": "grounded", "rep": rep, "e2e_s": e2e * jitter, "text": "t",
+                         "chunk_tokens_per_step": 4.0, "draft_acceptance": 0.75})
+    return pd.DataFrame(rows)
+
+
+def test_explain_speculation_words_follow_the_verdicts_and_say_range():
+    from infercourse.lessons.speculative import _judge, explain_speculation
+    base = {"hf": "hf", "hf + lookup": "hf"}
+    df = _judge(_trials(6), base, {"hf (A/A)": "hf"})
+    assert df.set_index("config").loc["hf + lookup", "speed_up_exact"]
+    text = explain_speculation(df, base)
+    assert "95% interval [" in text and "faster than hf, beyond the A/A noise" in text
+    assert "hit (≥ 1.5 tokens per target pass): hf + lookup / grounded: faster than hf" in text
+    slow = explain_speculation(_judge(_trials(6, fast=2.0), base, {"hf (A/A)": "hf"}), base, self_draft="hf + lookup")
+    assert "slower than hf, beyond the A/A noise" in slow and "faster" not in slow
+    assert "The self draft on the grounded prompt" in slow
+    # 2 pairs: the bracket is the range of the ratios, and the test can never pass
+    few = _judge(_trials(2, fast=0.9), base, {"hf (A/A)": "hf"})
+    text = explain_speculation(few, base)
+    assert not few.set_index("config").loc["hf + lookup", "speed_up_exact"]
+    assert "range [" in text and "interval" not in text and "within noise of hf" in text
+    assert "With 2 pairs the permutation test can never pass (it needs at least 3)" in text
+    assert "can never pass" not in explain_speculation(_judge(_trials(6), base, {"hf (A/A)": "hf"}), base)
+
+
+def test_loop_verdicts_say_range_or_interval():
+    import pandas as pd
+    from infercourse.lessons.speculative import loop_verdicts
+    loops = pd.DataFrame([{"drafter": "plain", "tokens_per_pass": 1.0, "speed_up": 1.0, "speed_up_lo": 1.0,
+                           "speed_up_hi": 1.0, "speed_up_exact": False, "speed_up_pairs": 2, "verdict": "reference"},
+                          {"drafter": "lookup", "tokens_per_pass": 3.0, "speed_up": 1.5, "speed_up_lo": 1.2,
+                           "speed_up_hi": 1.8, "speed_up_exact": False, "speed_up_pairs": 2, "verdict": "within noise"}])
+    text = loop_verdicts(loops)
+    assert "plain" not in text.split("**lookup**")[0] and "range [1.20, 1.80] of 2 pairs" in text
+    assert "within noise of plain" in text and "can never pass" not in text
+    assert "With 2 pairs the test can never pass (it needs at least 3)" in loop_verdicts(loops.assign(fewest_pairs=3))
+
+
+def test_rejection_sentence_checks_both_claims_and_can_fail():
+    import pandas as pd
+    from infercourse.lessons.draft_verify import rejection_demo, rejection_sentence
+    toy, summary = rejection_demo([0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.1, 0.2, 0.3, 0.3], n=4000)
+    assert "sit on p" in rejection_sentence(toy, summary) and "matches" in rejection_sentence(toy, summary)
+    off = toy.assign(**{"output frequency": toy["drafter q"]})          # came out as q: the rule failed
+    bad = rejection_sentence(off, {**summary, "acceptance": summary["predicted_acceptance"] + 0.1})
+    assert "miss p" in bad and "standard errors from" in bad

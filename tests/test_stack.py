@@ -42,6 +42,14 @@ def test_layer_overhead_within_noise_is_called_noise():
     assert "noise" in text and "-20.0 ms" in text
 
 
+def test_explain_layers_says_which_part_of_ttft_was_larger_and_where_the_floor_sits():
+    small = explain_layers(_layers([0.500, 0.502, 0.501], [0.530, 0.531, 0.529]), floor_ms=100.0)
+    assert "runtime's own work (501 ms) was the larger part" in small and "**5.0×** the compute floor" in small
+    big = explain_layers(_layers([0.010, 0.011, 0.012], [0.100, 0.101, 0.102]), floor_ms=20.0)
+    assert "plumbing (90 ms) was not smaller" in big and "below it" in big
+    assert "floor" not in explain_layers(_layers([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]))
+
+
 def test_first_answers_records_why_an_engine_could_not_run():
     def unreachable():
         raise APILayerError("server at 127.0.0.1:9 not reachable")

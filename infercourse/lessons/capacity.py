@@ -4,37 +4,52 @@ The measurements come from `measure.sessions` (N live agent sessions against K s
 `servers.router` (replicas behind sglang-router); this module turns them into the
 notebook's answers:
 
-- `knee`: the largest session count before sessions start evicting each other's cached
-  prefixes (the later turns' cache hit rate falls below a threshold);
+- `knee`, `knee_sentence`: the largest session count before sessions start evicting each
+  other's cached prefixes (the later turns' cache hit rate falls below a threshold), and
+  where that fell against the slot count;
+- `batch_gain`: notebook 11's throughput curve read at one point: requests/s with K users
+  on K slots over requests/s with one, on requests shaped like a cached turn;
 - `predict_capacity`: sessions one replica should serve, predicted before measuring from
-  two numbers the course already taught: the KV budget (notebook 12: which session
-  prefixes fit in the slots and in the host-RAM prompt cache) and the throughput of one
-  replica (notebook 11: one cached turn's service time against a session's think time,
-  kept under a utilisation that leaves room for bursts);
-- `measured_capacity`: the largest session count whose turns meet the TTFT SLO;
+  the KV budget (notebook 12: which session prefixes fit in the slots and in the host-RAM
+  prompt cache) and the throughput of one replica with K slots (a lone cached turn's
+  service time, the think time, the batching gain at K, kept under a utilisation that
+  leaves room for bursts);
+- `measured_capacity`, `capacity_sentence`: the largest session count whose turns meet the
+  TTFT SLO, and how it compares with the prediction (and what the gap means);
+- `knee_exercise`, `policy_prediction`: what the exercises score a guess against (the
+  arithmetic, and the run);
 - `replicas_for`: replicas for a team, from one replica's capacity;
 - `pool_capacity`, `team_table`, `pool_text`: the same per model, when every session sends
   a share of its calls to each model (a main model and a small/fast one) and each model
   runs in its own pool of replicas;
-- `plot_knee`, `policy_table`: the pictures and the routing comparison;
-- `KillAfter`: the reliability drill: SIGKILL one replica once N turns have finished
-  (an event, not a clock), so the drill lands under load on any machine.
+- `plot_knee`: the picture;
+- `policy_trials`, `judge_policies`, `policy_table`, `policy_text`: round-robin against cache-aware routing,
+  interleaved (each order run) with an A/A rerun of round-robin, judged by `measure.noise`;
+- `KillAfter`, `kill_drill`, `kill_story`, `kill_text`: the reliability drill: SIGKILL one
+  replica once N turns have finished (an event, not a clock), then what the client's rows
+  and the router's own counters say happened (failures, their errors, retries).
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 
+from infercourse.measure import claims, noise
 from infercourse.ops.supervisor import kill_server
 
-__all__ = ["knee", "predict_capacity", "measured_capacity", "replicas_for", "pool_capacity", "team_table",
-           "pool_text", "plot_knee", "policy_table", "KillAfter", "kill_story"]
+__all__ = ["knee", "knee_sentence", "batch_gain", "predict_capacity", "measured_capacity", "capacity_sentence",
+           "knee_exercise", "replicas_for", "pool_capacity", "team_table", "pool_text", "plot_knee",
+           "policy_trials", "judge_policies", "policy_table", "policy_text", "policy_prediction", "router_counters",
+           "KillAfter", "kill_drill", "kill_story", "kill_text"]
 
 
 def knee(table: pd.DataFrame, min_hit: float = 0.5) -> dict[str, Any]:
@@ -52,9 +67,85 @@ def knee(table: pd.DataFrame, min_hit: float = 0.5) -> dict[str, Any]:
     return {"sessions_at_knee": max(fits) if fits else 0, "first_evicting": first_bad}
 
 
+def knee_sentence(label: str, k: Mapping[str, Any], slots: int, counts: Sequence[int]) -> str:
+    """Where this run's knee fell against the slot count, from `knee` and the counts tried.
+
+    The knee lies between the largest count that kept its cache and the first that did not
+    (counts not tried in between are unknown); the slot mechanism expects it at K.
+    """
+    first = k["first_evicting"]
+    if first is None:
+        beyond = (f"; the sweep never went past the {slots} slots, so it could not show one" if max(counts) <= slots
+                  else "")
+        return (f"{label}: no count tried (up to {max(counts)}) fell below the hit threshold: the knee, if any, lies "
+                f"beyond the counts tried{beyond}.")
+    last = k["sessions_at_knee"]
+    head = f"{label}: sessions kept their cache up to {last}, evicted each other at {first} ({slots} slots)"
+    if first <= slots:
+        return (f"{head}: evictions began **at or before** the slot count, while slots were free; the slot mechanism "
+                "alone does not explain it (a prompt longer than a slot's context, or a slow turn overlapping the "
+                "next session's: read `by_turn` on that run).")
+    if last > slots:
+        return (f"{head}: **past** the slot count, more sessions than slots kept their prefixes: something held "
+                "them beyond the slots (the host-RAM prompt cache, or think times so long that sessions rarely "
+                "overlapped).")
+    if last == slots:
+        return (f"{head}: the knee sits **at the slot count**, as the mechanism expects: evictions begin once sessions "
+                "outnumber slots.")
+    return (f"{head}: **consistent with** the slot count: the knee lies between {last} and {first}, and {slots} "
+            "was not tried, so this sweep cannot place it more closely.")
+
+
+def batch_gain(srv, slots: int, one: pd.DataFrame, *, rounds: int = 2, model: Any = None,
+               out_dir: str | Path | None = None) -> dict[str, float]:
+    """Notebook 11's throughput curve read at one point: completed requests/s with `slots`
+    closed-loop users over requests/s with one, on one server with `slots` slots, every
+    request shaped like a cached turn of the lone session (its median new prompt tokens
+    and output tokens). One run per level: an input to the prediction, not a verdict.
+
+    Args:
+        srv: a running LlamaServer with `slots` slots.
+        one: the per-turn frame of one session alone (new tokens = prompt - cached).
+        rounds: requests per user at each level (slots x rounds requests each).
+        model: the GGUF whose tokenizer sizes the prompts; out_dir: where the runs are saved.
+    """
+    from infercourse.core.types import Request
+    from infercourse.measure import bench
+    from infercourse.measure.workloads import exact_length_prompt
+    from infercourse.models.embedded import vocab_tokenizer
+    ok = one[one["status"] == "ok"]
+    later = ok[ok["turn"] > 0] if (ok["turn"] > 0).any() else ok
+    new = int(max(16, (later["prompt_tokens"] - later["cached_tokens"].fillna(0)).median()))
+    out = int(max(1, later["output_tokens"].median()))
+    n = slots * rounds
+    tok = vocab_tokenizer(model)   # distinct prompts of exactly `new` tokens, forced to `out` tokens (as notebook 11's)
+    wl = [Request(prompt=exact_length_prompt(new, tok, seed=i), max_tokens=out, ignore_eos=True, seed=0)
+          for i in range(2 * n)]
+    rps = {}
+    for c in (1, slots):
+        r = bench.run(srv.engine(api="completions"), wl, pattern="concurrency", concurrency=c, max_requests=n,
+                      out_dir=Path(out_dir) / f"c{c}" if out_dir else None, label=f"gain-c{c}", progress=False)
+        rps[c] = _rps(r.df)
+    return {"gain": rps[slots] / rps[1] if rps[1] > 0 else math.nan, "requests_per_s_1": rps[1],
+            f"requests_per_s_{slots}": rps[slots], "new_tokens": new, "output_tokens": out, "requests": n}
+
+
+def _rps(df: pd.DataFrame) -> float:
+    from infercourse.core.summary import throughput
+    return float(throughput(df)["requests_per_s"])
+
+
 def predict_capacity(one: pd.DataFrame, *, slots: int, slot_ctx: int, kv_bytes_per_token: float,
-                     cache_ram_mib: float = 0.0, utilisation: float = 0.7) -> dict[str, float]:
-    """Sessions one replica should serve, from a single session's run and the KV budget.
+                     cache_ram_mib: float = 0.0, utilisation: float = 0.7, gain: float = 1.0) -> dict[str, float]:
+    """Sessions one replica should serve, from a single session's run, the KV budget and
+    the batching gain at K slots.
+
+    A replica keeps up to K turns in service at once. With all K busy, a turn takes
+    K x service / gain (gain: throughput with K users over one, `batch_gain`); a session
+    holds a slot for that long, then thinks. Keeping the slots busy a share `utilisation`
+    of the time allows N = utilisation x K x (think + K·service/gain) / (K·service/gain)
+    = utilisation x (gain x think / service + K) sessions. K = 1, gain = 1 is a serial
+    server: utilisation x (think + service) / service.
 
     Args:
         one: the per-turn frame of ONE session alone (its turns' e2e, prompt sizes, the
@@ -62,12 +153,13 @@ def predict_capacity(one: pd.DataFrame, *, slots: int, slot_ctx: int, kv_bytes_p
         slots: llama-server slots (-np); slot_ctx: context per slot (-c / -np).
         kv_bytes_per_token: from the model card (notebook 12).
         cache_ram_mib: the host-RAM prompt cache (--cache-ram; 0: off).
-        utilisation: the busy share a replica may run at; queueing grows without bound
+        utilisation: the busy share the slots may run at; queueing grows without bound
             as it nears 1, so leave headroom for bursts.
+        gain: requests/s with K users over one (1: batching buys nothing).
 
     Returns the KV limit (sessions whose prefixes stay cached: slots, plus those the RAM
-    cache holds), the throughput limit (utilisation x (think + service) / service, with
-    service the cached turn's e2e), and their minimum.
+    cache holds), the throughput limit (above, with service the lone cached turn's e2e),
+    and their minimum, with the inputs.
     """
     ok = one[one["status"] == "ok"].sort_values("turn")
     peak = float(ok["prompt_tokens"].max() + ok["output_tokens"].max())
@@ -76,9 +168,10 @@ def predict_capacity(one: pd.DataFrame, *, slots: int, slot_ctx: int, kv_bytes_p
     fit = slots if peak <= slot_ctx else 0
     in_ram = cache_ram_mib * 2**20 / (peak * kv_bytes_per_token) if cache_ram_mib else 0.0
     kv_limit = fit + math.floor(in_ram)
-    tput_limit = utilisation * (think + service) / service if service > 0 else math.inf
-    return {"peak_tokens": peak, "service_s": service, "think_s": think, "kv_limit": kv_limit,
-            "throughput_limit": tput_limit, "predicted": min(kv_limit, tput_limit)}
+    tput_limit = utilisation * (gain * think / service + slots) if service > 0 else math.inf
+    return {"peak_tokens": peak, "service_s": service, "think_s": think, "slots": slots, "gain": gain,
+            "utilisation": utilisation, "kv_limit": kv_limit, "throughput_limit": tput_limit,
+            "predicted": min(kv_limit, tput_limit)}
 
 
 def measured_capacity(table: pd.DataFrame, min_good: float = 0.9, column: str = "good_fraction_later") -> int:
@@ -96,6 +189,73 @@ def measured_capacity(table: pd.DataFrame, min_good: float = 0.9, column: str = 
             break
         best = int(n)
     return best
+
+
+def capacity_sentence(label: str, row: Mapping[str, Any], counts: Sequence[int]) -> str:
+    """The predicted capacity against the measured one, and what the gap means.
+
+    The sweep brackets the capacity: at least the measured count, and below the next count
+    tried (none above: only "at least"). The prediction agrees when it falls in that
+    bracket. Otherwise the implied utilisation says how busy the slots ran at the measured
+    count, against the `utilisation` the prediction allowed.
+
+    Args:
+        label: the setting (e.g. "--cache-ram 0").
+        row: `predict_capacity`'s dict with `measured` (`measured_capacity`) added.
+        counts: the session counts tried.
+    """
+    pred, meas = float(row["predicted"]), int(row["measured"])
+    above = [c for c in sorted(counts) if c > meas]
+    nxt = above[0] if above else None
+    kv_binds = row["kv_limit"] <= row["throughput_limit"]
+    head = (f"{label}: predicted {pred:.2f} sessions (bound by the {'KV' if kv_binds else 'throughput'} limit), "
+            f"measured {'at least ' if nxt is None else ''}{meas} (one sweep, one run per count: no rerun, so the "
+            "measured count is not judged against noise)")
+    if meas == 0:
+        return f"{head}: even {min(counts)} session(s) missed the SLO; the prediction cannot be checked below that."
+    if nxt is not None and meas <= pred < nxt:
+        return (f"{head}: **agree**: the prediction falls between the largest count that met the SLO ({meas}) "
+                f"and the first that did not ({nxt}).")
+    if pred >= (nxt if nxt is not None else math.inf):
+        return (f"{head}: the prediction was **optimistic**: {nxt} sessions already missed the SLO. Something the "
+                "model leaves out costs time here: re-prefills after evictions, turns queued behind whole turns, "
+                "or a machine busy with other work (the contention line).")
+    if nxt is None and pred > meas:
+        return f"{head}: the prediction lies beyond the counts tried, so this sweep cannot check it."
+    ratio = meas / pred if pred > 0 else math.inf
+    if kv_binds:
+        why = ("sessions past the KV limit still met the SLO: an evicted prefix's re-prefill fit in the TTFT "
+               "target, so the KV limit marks where cache hits end (the knee), not where the SLO breaks.")
+    else:
+        per = row["gain"] * row["think_s"] / row["service_s"] + row["slots"]
+        u = meas / per if per > 0 else math.nan
+        why = (f"at {meas} sessions the slots ran at an implied utilisation of {u:.2f}, against the "
+               f"{row['utilisation']:.2f} the prediction allows: the SLO is on TTFT, and a turn's first token waits "
+               "only for its own prefill while a slot is free, so this SLO tolerated busier slots than the headroom "
+               "assumes." if u > row["utilisation"] else
+               f"the implied utilisation at {meas} sessions is {u:.2f}, within the headroom: the gap comes from the "
+               "sweep's counts, not from the model.")
+    return f"{head}: the prediction was **conservative** ({ratio:.1f}× below the measurement); {why}"
+
+
+def knee_exercise(guess: float | None, model: Any, slots: int, slot_ctx: int, threads: int | None, script,
+                  slo_ttft_s: float, out_dir: str | Path, **run: Any) -> dict[str, Any] | None:
+    """Exercise 7: `slots` slots, --cache-ram 0, `slots` and `slots` + 1 sessions. Returns the
+    slot mechanism's first evicting count (`predicted`: slots + 1), the run's (`measured`,
+    None: no count evicted) and `knee_sentence`; None (nothing run) while the guess is None."""
+    from infercourse.measure import sessions as ss
+    from infercourse.servers import LlamaServer
+    if guess is None:
+        print("Not answered yet: write your guess first, then re-run this cell (it starts a server and measures).")
+        return None
+    counts = [slots, slots + 1]
+    with LlamaServer(model, n_parallel=slots, ctx_size=slots * slot_ctx, threads=threads, cache_ram_mib=0) as srv:
+        table, _ = ss.sweep_sessions(srv.engine(), script, counts, slos={"ttft_s": slo_ttft_s}, out_dir=out_dir,
+                                     label=f"np{slots}", **run)
+    k = knee(table)
+    text = knee_sentence(f"{slots} slots, --cache-ram 0", k, slots, counts)
+    return {"predicted": slots + 1, "measured": k["first_evicting"],
+            "text": text + ("" if k["first_evicting"] else " Nothing to score: no count tried evicted.")}
 
 
 def replicas_for(team_size: int, per_replica: float) -> int:
@@ -179,12 +339,142 @@ def plot_knee(tables: Mapping[str, pd.DataFrame], slots: int, slo_ttft_s: float 
     return a, b
 
 
-def policy_table(results: Mapping[str, Any]) -> pd.DataFrame:
-    """One row per routing policy: turns ok, cache hit rate (later turns), TTFT p50/p95."""
+POLICY_ARMS = {"round_robin": "round_robin", "round_robin-AA": "round_robin", "cache_aware": "cache_aware"}
+
+
+def _fresh_router(group, policy: str) -> None:
+    """A new router process with `policy` (the replicas and their caches stay): every run
+    then starts on a router of the same age, whichever policy it has."""
+    if group.router.policy != policy:
+        group.set_policy(policy)          # stops the old router, starts one with the policy
+    else:
+        group.router.stop()
+        group.router.start()
+
+
+def _policy_row(df: pd.DataFrame) -> dict[str, Any]:
+    """One run's routing numbers: turns, cache hit rate and TTFT p50 of the turns after the
+    first (the first is a cold prefill under any policy), TTFT p95 of every turn."""
     from infercourse.measure.sessions import sessions_summary
-    rows = {p: sessions_summary(r.df) for p, r in results.items()}
-    cols = ["n_sessions", "turns", "turns_ok", "cache_hit_rate_later", "ttft_p50_s", "ttft_p95_s"]
-    return pd.DataFrame(rows).T[cols]
+    s = sessions_summary(df)
+    later = df[(df["status"] == "ok") & (df["turn"] > 0)]["ttft_s"].dropna()
+    return {"n_sessions": s["n_sessions"], "turns": s["turns"], "turns_ok": s["turns_ok"],
+            "cache_hit_rate_later": s["cache_hit_rate_later"],
+            "ttft_p50_later_s": float(later.median()) if len(later) else math.nan, "ttft_p95_s": s["ttft_p95_s"]}
+
+
+def policy_trials(group, script, n_sessions: int, *, repeats: int = 2, out_dir: str | Path | None = None,
+                  **run: Any) -> dict[str, Any]:
+    """Round-robin against cache-aware on the same replicas: `repeats` blocks, each running
+    round-robin, its A/A rerun and cache-aware once, in rotated and mirrored order (every
+    policy opens some blocks and closes others, so a drift cancels), each on a fresh router.
+
+    Returns {"trials": one row per run (block, arm, policy, `_policy_row`), "runs",
+    "verdict": cache-aware against round-robin on the later turns' TTFT p50 (a
+    `noise.Comparison`, None under 2 blocks), "floor": round-robin's A/A `NoiseFloor`}.
+
+    Args:
+        group: a running `ReplicaGroup`; script, n_sessions, run: for `sessions.run_sessions`.
+        repeats: blocks (an odd count > 1 gets one more: mirrored pairs).
+        out_dir: each run writes `<arm>[-r<block>]/` under it.
+    """
+    from infercourse.measure import sessions as ss
+
+    def trial(policy: str, label: str):
+        _fresh_router(group, policy)
+        r = ss.run_sessions(group.engine(), script, n_sessions, out_dir=Path(out_dir) / label if out_dir else None,
+                            label=label, **run)
+        return {"policy": policy, **_policy_row(r.df)}, r
+
+    trials, runs = noise.run_arms(POLICY_ARMS, repeats, trial, pattern="rotate")
+    return {**judge_policies(trials), "runs": runs}
+
+
+def judge_policies(trials: pd.DataFrame) -> dict[str, Any]:
+    """Cache-aware against round-robin on the later turns' TTFT p50, with round-robin's A/A
+    rerun as data in every block (`noise.compare_arms`; no verdict under 2 blocks).
+
+    Args:
+        trials: one row per run with `rep` (the block), `arm` (POLICY_ARMS) and the
+            `_policy_row` columns, as `noise.run_arms` returns them.
+    """
+    verdicts, floor = noise.compare_arms(trials, "ttft_p50_later_s", "round_robin", "round_robin-AA",
+                                         higher_is_better=False)
+    return {"trials": trials.rename(columns={"rep": "block"}), "verdict": verdicts.get("cache_aware"), "floor": floor}
+
+
+def policy_table(routed: Mapping[str, Any]) -> pd.DataFrame:
+    """One row per arm of `policy_trials`: runs, and the median over its runs of turns ok,
+    the later turns' cache hit rate and TTFT p50, and TTFT p95."""
+    t = routed["trials"]
+    cols = ["turns", "turns_ok", "cache_hit_rate_later", "ttft_p50_later_s", "ttft_p95_s"]
+    out = t.groupby("arm")[cols].median()
+    out.insert(0, "runs", t.groupby("arm").size())
+    return out.reindex([a for a in POLICY_ARMS if a in out.index])
+
+
+def policy_text(routed: Mapping[str, Any]) -> str:
+    """What the policy trials showed: each run's later-turn hit rate, and the verdict on
+    the later turns' TTFT p50 against round-robin's A/A rerun (or why there is none)."""
+    t = routed["trials"]
+    wide = t.pivot(index="block", columns="arm", values="cache_hit_rate_later")
+    n = len(wide)
+    order = " | ".join(" → ".join(t[t["block"] == b]["arm"]) for b in sorted(t["block"].unique()))
+    hits = "; ".join(f"{a}: " + ", ".join(f"{v:.2f}" for v in wide[a]) for a in POLICY_ARMS if a in wide)
+    lines = [f"- Runs in order, block by block: {order} ({n} block(s), one run of each arm per block, each on a "
+             "fresh router).",
+             f"- Later turns' cache hit rate, per block: {hits}."]
+    if "cache_aware" in wide and "round_robin" in wide:
+        more = int((wide["cache_aware"] > wide["round_robin"]).sum())
+        lines.append(f"- Cache-aware's hit rate was the higher in {more} of {n} block(s) (no noise test on hit rates: "
+                     "read them as counts).")
+    c = routed.get("verdict")
+    if c is None:
+        ttft = t.pivot(index="block", columns="arm", values="ttft_p50_later_s")
+        a, b = float(ttft["round_robin"].median()), float(ttft["cache_aware"].median())
+        lines.append("- Later turns' TTFT p50: "
+                     + claims.ratio_sentence(a, b, None, names=("round_robin", "cache_aware"))
+                     + f" With {n} block(s) there is no A/A floor: this run cannot say which policy answered first.")
+    else:
+        lines.append(f"- {claims.verdict_sentence(c, 'later turns’ TTFT p50')} ({routed['floor'].text()})")
+    return "\n".join(lines)
+
+
+def policy_prediction(routed: Mapping[str, Any]) -> float:
+    """Exercise 8's arithmetic: if a later turn's TTFT is its prefill, and its prefill is the
+    share of its prompt not served from cache, cache-aware ÷ round-robin TTFT is
+    (1 - hit rate cache-aware) / (1 - hit rate round-robin), from the policies' median hit rates."""
+    t = policy_table(routed)["cache_hit_rate_later"]
+    miss_rr, miss_ca = 1 - float(t["round_robin"]), 1 - float(t["cache_aware"])
+    return miss_ca / miss_rr if miss_rr > 0 else math.inf
+
+
+def router_counters(group) -> dict[str, float] | None:
+    """sglang-router's own counters, from its Prometheus exporter: retries on another
+    worker, retries exhausted, upstream answers that were not 200, and non-200 answers it
+    gave its clients. The exporter's port is read from the router's command line (the last
+    `$ ...` line of its log). None: not an sglang-router, or the exporter did not answer."""
+    import httpx
+    try:
+        log = Path(group.router.log_path).read_text(errors="replace")
+        starts = [ln for ln in log.splitlines() if ln.startswith("$ ")]
+        port = re.findall(r"--prometheus-port (\d+)", starts[-1])[-1]
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except (OSError, IndexError, httpx.HTTPError):
+        return None
+    out = {"retries": 0.0, "retries_exhausted": 0.0, "upstream_not_200": 0.0, "client_not_200": 0.0}
+    for ln in text.splitlines():
+        m = re.match(r'(\w+)(\{[^}]*\})?\s+([-\d.eE+]+)$', ln.strip())
+        if not m:
+            continue
+        name, labels, v = m.group(1), m.group(2) or "", float(m.group(3))
+        ok = 'status_code="200"' in labels
+        key = {"smg_worker_retries_total": "retries", "smg_worker_retries_exhausted_total": "retries_exhausted",
+               "smg_router_upstream_responses_total": None if ok else "upstream_not_200",
+               "smg_http_responses_total": None if ok else "client_not_200"}.get(name)
+        if key:
+            out[key] += v
+    return out
 
 
 class KillAfter:
@@ -226,16 +516,88 @@ class KillAfter:
         self._thread.join(timeout=5)
 
 
-def kill_story(result, drill: KillAfter) -> dict[str, Any]:
-    """What the drill did: when it fired, turns after it ok / failed, sessions lost, and
-    that every finished turn is on disk (rows in requests.jsonl == rows in the frame)."""
+def kill_drill(group, script, n_sessions: int, kill_after: int, out_dir: str | Path, *, victim: int = 1,
+               policy: str = "cache_aware", **run: Any) -> dict[str, Any]:
+    """The drill: a fresh router with `policy`, `n_sessions` sessions through it, replica
+    `victim` SIGKILLed once `kill_after` turns are on disk; `kill_story` of the run, with
+    the router's counters over the drill (None where they cannot be read)."""
+    from infercourse.measure import sessions as ss
+    _fresh_router(group, policy)
+    before = router_counters(group)
+    with KillAfter(group.replicas[victim], out_dir, kill_after) as drill:
+        result = ss.run_sessions(group.engine(), script, n_sessions, out_dir=out_dir, label="drill", **run)
+    after = router_counters(group)
+    counters = {k: after[k] - before.get(k, 0.0) for k in after} if before is not None and after is not None else None
+    return kill_story(result, drill, counters)
+
+
+def _error_kind(err: str) -> str:
+    """A failed turn's error, in the words of what happened on the wire."""
+    if re.search(r"cut mid-way|ended without|incomplete", err):
+        return "stream cut after it had started"
+    m = re.search(r"HTTP (\d{3})", err)
+    return f"HTTP {m.group(1)} answer" if m else "other error"
+
+
+def kill_story(result, drill: KillAfter, counters: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """What the drill did: when it fired, turns after it ok / failed, sessions lost, that
+    every finished turn is on disk (rows in requests.jsonl == rows in the frame), the failed
+    turns' errors (each kind counted, the first text of each) and the router's counters over
+    the drill (`router_counters`; None: not read)."""
     df = result.df
     on_disk = sum(1 for line in (Path(result.dir) / "requests.jsonl").read_text().splitlines()
                   if json.loads(line).get("request_id") is not None)
     after = df.sort_values("end_t").iloc[drill.fired_at or len(df):]
+    failed = df.loc[df["status"] != "ok", "error"].fillna("").astype(str)
+    kinds = Counter(_error_kind(e) for e in failed)
     return {"fired_after_turns": drill.fired_at, "turns_after": len(after),
             "ok_after": int((after["status"] == "ok").sum()),
-            "errors_after": int((after["status"] == "error").sum()),
+            "errors_after": int((after["status"] != "ok").sum()),
+            "failed": len(failed), "error_kinds": dict(kinds),
             "sessions_lost": int(df.loc[df["status"] != "ok", "session"].nunique()),
             "finished_on_disk": on_disk, "rows": len(df),
-            "errors": sorted(set(df.loc[df["status"] == "error", "error"].str.slice(0, 90)))}
+            "errors": sorted(set(failed.str.slice(0, 90))),
+            "router": dict(counters) if counters is not None else None}
+
+
+def kill_text(story: Mapping[str, Any]) -> str:
+    """The drill in words, from its rows and the router's counters: how many turns failed,
+    with which errors, whether the router retried any request, and what reached the client."""
+    if story.get("fired_after_turns") is None:
+        return (f"The kill never fired (fewer than the turns it waited for finished): {story['rows']} turns, "
+                f"{story['failed']} failed. Nothing here tests the router's failover.")
+    kinds = ", ".join(f"{n} × {k}" for k, n in story["error_kinds"].items())
+    head = (f"The replica was killed once {story['fired_after_turns']} turns had finished. Of the "
+            f"{story['turns_after']} turns that finished after it: {story['ok_after']} ok, "
+            f"{story['errors_after']} failed; over the whole drill {story['failed']} turn(s) failed"
+            + (f" ({kinds}; first text: {story['errors'][0]!r})" if story["failed"] else "")
+            + f", and {story['sessions_lost']} session(s) stopped at their failure.")
+    disk = (f" Every finished turn is on disk ({story['finished_on_disk']} of {story['rows']})."
+            if story["finished_on_disk"] == story["rows"] else
+            f" Only {story['finished_on_disk']} of {story['rows']} finished turns are on disk.")
+    r = story.get("router")
+    if r is None:
+        return (head + " The router's counters could not be read, and the client's rows cannot show a retry (a "
+                "retried request that succeeded reads as any other ok turn): this run does not say whether the "
+                "router retried anything." + disk)
+    retried = int(r["retries"])
+    said = (f" The router's counters over the drill: {retried} retr{'y' if retried == 1 else 'ies'} on another "
+            f"worker, {int(r['retries_exhausted'])} exhausted, {int(r['upstream_not_200'])} failed upstream "
+            f"call(s), {int(r['client_not_200'])} error answer(s) to the client.")
+    if story["failed"] == 0:
+        meaning = (" No failure reached the client: every request in flight on the dead replica was retried "
+                   "elsewhere or had not started there." if retried else
+                   " No failure reached the client, and nothing was retried: no request was on the killed replica.")
+    elif retried == 0:
+        meaning = (" No request was retried: every failure above reached the client as it happened (an agent "
+                   "would have to resend the turn itself).")
+    else:
+        why = (["a stream cut after it had started cannot be retried (its bytes went to the client)"]
+               if "stream cut after it had started" in story["error_kinds"] else [])
+        why += (["an error answer is what the router passes on when its retries did not save the request"]
+                if any(k.startswith("HTTP") for k in story["error_kinds"]) else [])
+        meaning = (f" The router retried {retried} request(s), yet {story['failed']} failure(s) still reached the "
+                   "client" + (": " + "; ".join(why) if why else "") + ".")
+    return head + said + meaning + disk
+
+

@@ -35,7 +35,7 @@ import numpy as np
 
 from infercourse.measure import noise
 
-__all__ = ["speculative_greedy", "rejection_sample", "rejection_demo", "compare_drafters", "pass_cost",
+__all__ = ["speculative_greedy", "rejection_sample", "rejection_demo", "rejection_sentence", "compare_drafters", "pass_cost",
            "plot_drafters"]
 
 Drafter = Callable[[list, object], Sequence[int]]
@@ -122,12 +122,32 @@ def rejection_demo(p: Sequence[float], q: Sequence[float], n: int = 20_000, seed
                 "max_abs_gap_to_p": float(np.abs(out / n - p).max()), "draws": n}
 
 
+def rejection_sentence(toy, summary: dict, z: float = 3.0) -> str:
+    """`rejection_demo`'s check in words: do the output frequencies sit on p (each within
+    `z` standard errors of a frequency, √(p(1−p)/draws)), and does the measured acceptance
+    match Σ min(p, q) within `z` of its own standard error? Either can fail, and it says so.
+
+    Args:
+        toy, summary: `rejection_demo`'s two results.
+    """
+    n, p, f = summary["draws"], toy["target p"].to_numpy(float), toy["output frequency"].to_numpy(float)
+    worst = float(np.max(np.abs(f - p) / np.sqrt(np.maximum(p * (1 - p), 1e-12) / n)))
+    a, pa = summary["acceptance"], summary["predicted_acceptance"]
+    za = abs(a - pa) / np.sqrt(max(pa * (1 - pa), 1e-12) / n)
+    freq = (f"the output frequencies sit on p (largest gap {worst:.1f} standard errors of a frequency over {n:,} draws)"
+            if worst <= z else f"the output frequencies miss p by up to {worst:.1f} standard errors: not the target's distribution")
+    acc = (f"the measured acceptance {a:.3f} matches Σ min(p, q) = {pa:.3f} ({za:.1f} standard errors apart)" if za <= z else
+           f"the measured acceptance {a:.3f} is {za:.1f} standard errors from Σ min(p, q) = {pa:.3f}")
+    return f"Over {n:,} draws, {freq}; {acc}."
+
+
 def compare_drafters(model, ids: Sequence[int], max_new: int, drafters: dict, *, repeats: int = 1):
     """Run `speculative_greedy` with each drafter, `repeats` times in interleaved (rotating)
     order, the first drafter twice per round (its A/A rerun: the noise floor). One row per
     drafter: seconds (wall) and cpu_s (this process's CPU time), medians over repeats;
     passes, tokens_per_pass, acceptance_rate; speed_up over the first drafter (median
-    paired ratio of CPU time) with its interval `speed_up_lo`/`speed_up_hi`, and `verdict`
+    paired ratio of CPU time) with its interval `speed_up_lo`/`speed_up_hi` (a range when
+    `speed_up_exact` is False: too few of its `speed_up_pairs`), and `verdict`
     against the A/A floor (`noise_floor`, `measure.noise`); speed_up_wall (same, wall clock); identical
     (same tokens as the first). `attrs["noise_floor_text"]` states the floor.
 
@@ -168,11 +188,13 @@ def compare_drafters(model, ids: Sequence[int], max_new: int, drafters: dict, *,
     rows = []
     for name in drafters:
         r, up = res[name], noise.paired_interval(cpu[name], cpu[ref])     # ref / this: > 1 is faster
-        verdict = noise.compare(cpu[ref], cpu[name], floor, labels=(ref, name)).verdict if floor else "1 run: not judged"
+        cmp = noise.compare(cpu[ref], cpu[name], floor, labels=(ref, name)) if floor else None
+        verdict = cmp.verdict if cmp else "1 run: not judged"
         rows.append({"drafter": name, "seconds": float(np.median(wall[name])), "cpu_s": float(np.median(cpu[name])),
                      "passes": r["passes"], "tokens_per_pass": r["tokens_per_pass"], "proposed": r["proposed"],
                      "accepted": r["accepted"], "acceptance_rate": r["acceptance_rate"],
                      "speed_up": up.median, "speed_up_lo": up.lo, "speed_up_hi": up.hi,
+                     "speed_up_exact": up.exact, "speed_up_pairs": up.n, "fewest_pairs": cmp.fewest if cmp else 0,
                      "verdict": "reference" if name == ref else verdict,
                      "noise_floor": floor.floor if floor else float("nan"),
                      "speed_up_wall": noise.paired_interval(wall[name], wall[ref]).median,

@@ -226,7 +226,7 @@ def explain(rows: pd.DataFrame, runs: dict[str, Run], predicted_ratio: float,
            f"({ran.loc[fast, 'quantization']} weights)."]
     if {base, other} <= set(ran.index):
         r = ran.loc[base, "decode_tok_per_s"] / ran.loc[other, "decode_tok_per_s"]
-        from infercourse.lessons.fair_claims import band_verdict
+        from infercourse.measure.claims import band_verdict
         note = band_verdict(r, paired["floor"].floor)[1] if paired is not None \
             else "one run each, not judged"
         out.append(f"- Decode rate, {base} ÷ {other}: {r:.2f}× ({note}); the bytes alone predicted "

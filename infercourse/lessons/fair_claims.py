@@ -25,8 +25,9 @@ import re
 from typing import Any, Mapping
 
 import pandas as pd
+from infercourse.measure.claims import band_verdict
 
-__all__ = ["sign_test_p", "band_verdict", "ttft_sentence", "rates_sentence", "order_sentence", "is_4bit", "is_float"]
+__all__ = ["sign_test_p", "ttft_sentence", "rates_sentence", "order_sentence", "is_4bit", "is_float"]
 
 MIN_SIGN_PAIRS = 6      # fewest pairs for which a two-sided sign test can reach p <= 0.05 (2 / 2^6)
 HIT_GAP = 0.05          # cache-hit shares closer than this are "the same" (a template's few tokens)
@@ -49,17 +50,6 @@ def sign_test_p(k: int, n: int) -> float:
         return 1.0
     m = max(k, n - k)
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(m, n + 1)) / 2 ** n)
-
-
-def band_verdict(r: float, floor: float | None) -> tuple[str, str]:
-    """(kind, text) of a ratio against the noise band [1/(1+floor), 1+floor]: kind is
-    "within", "outside" or "unjudged" (no band, or an unbounded one)."""
-    if floor is None or not math.isfinite(floor):
-        return "unjudged", "no finite A/A noise band was measured, so this gap is not judged"
-    band = f"[{1 / (1 + floor):.2f}, {1 + floor:.2f}]"
-    if 1 / (1 + floor) <= r <= 1 + floor:
-        return "within", f"inside the A/A noise band {band}: this run cannot rank them"
-    return "outside", f"outside the A/A noise band {band}"
 
 
 def _ran(rows: pd.DataFrame) -> pd.DataFrame:

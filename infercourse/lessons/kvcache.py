@@ -29,7 +29,8 @@ from typing import Any, Iterable, Iterator
 from infercourse import compat
 from infercourse.models.modelcard import kv_bytes_per_token
 
-__all__ = ["naive_decode", "cached_decode", "cache_keyword", "run_loops", "tokens_processed",
+__all__ = ["naive_decode", "cached_decode", "cache_keyword", "run_loops", "tokens_processed", "step_trend",
+           "explain_loops",
            "kv_bytes_per_token", "hf_cache_bytes", "state_kv_bytes_per_token", "PUBLISHED_CONFIGS", "kv_table", "DTYPE_BYTES"]
 
 
@@ -146,6 +147,49 @@ def tokens_processed(prompt_tokens: int, n_new: int, *, cached: bool) -> int:
     if cached:
         return prompt_tokens + n_new - 1
     return n_new * prompt_tokens + n_new * (n_new - 1) // 2
+
+
+def step_trend(step_s) -> str:
+    """"climbs", "falls", "flat" or "too few steps": the last quarter of a loop's decode
+    steps against the first quarter (step 0, the prefill, left out). A trend is called only
+    when the two quarters do not overlap at all (every late step slower than every early
+    one, or the reverse); any overlap is "flat" within this run's step-to-step noise."""
+    t = [float(v) for v in list(step_s)[1:]]
+    q = len(t) // 4
+    if q < 3:
+        return "too few steps"
+    first, last = t[:q], t[-q:]
+    if min(last) > max(first):
+        return "climbs"
+    if max(last) < min(first):
+        return "falls"
+    return "flat"
+
+
+def explain_loops(steps, work_ratio: float) -> str:
+    """What the two decode loops showed, from `run_loops`' rows: how each loop's per-step
+    time moved with the sequence (`step_trend`), and the time ratio against the work ratio
+    (token positions, `tokens_processed`) the Predict step printed.
+
+    Args:
+        steps: `run_loops` output; work_ratio: naive positions ÷ cached positions.
+    """
+    totals = steps.groupby("loop")["elapsed_s"].max()
+    time_ratio = float(totals["no cache"] / totals["KV cache"])
+    said = {"climbs": "**climbed** with the sequence (every late step took longer than every early one)",
+            "falls": "**fell** as the sequence grew (every late step was quicker than every early one)",
+            "flat": "stayed **flat** within its step-to-step noise (early and late steps overlap)",
+            "too few steps": "cannot be judged: too few steps for a trend"}
+    trend = {n: step_trend(steps[steps["loop"] == n].sort_values("step")["step_s"]) for n in ("no cache", "KV cache")}
+    out = (f"- After the prefill step, the naive loop's step time {said[trend['no cache']]}; the cached "
+           f"loop's {said[trend['KV cache']]}.\n")
+    if time_ratio < work_ratio:
+        return out + (f"- Without the cache the generation took **{time_ratio:.1f}×** as long, *less* than the "
+                      f"{work_ratio:.1f}× work ratio: a step costs a fixed part (reading every weight once) plus a "
+                      "part per position, and the naive loop's positions share the fixed part.")
+    return out + (f"- Without the cache the generation took **{time_ratio:.1f}×** as long, *not less* than the "
+                  f"{work_ratio:.1f}× work ratio: at this length the cost per position, not the fixed per-step "
+                  "read of the weights, set the time.")
 
 
 # -- what the cache costs --------------------------------------------------------------------

@@ -231,7 +231,8 @@ def heads_drafter(heads, min_prob: float = 0.0, max_draft: int | None = None):
     return lambda seq, h: heads.draft(h, seq[-1], min_prob)[:max_draft]
 
 
-def draft_length_run(model, ids: Sequence[int], heads, draft_len: int, max_new: int, *, repeats: int = 1):
+def draft_length_run(model, ids: Sequence[int], heads, draft_len: int, max_new: int, *, compare,
+                     repeats: int = 1):
     """Self-speculative decoding that keeps only the first `draft_len` guesses of `heads`,
     beside plain decoding (`draft_verify.compare_drafters`, plain first: the reference).
     Returns the heads' row: `tokens_per_pass`, `speed_up` (with `repeats` >= 2, judged
@@ -240,14 +241,14 @@ def draft_length_run(model, ids: Sequence[int], heads, draft_len: int, max_new: 
     Args:
         model: the frozen base model; ids: prompt token ids; heads: trained heads.
         draft_len: guesses proposed per pass (1 .. heads.n_heads).
+        compare: `draft_verify.compare_drafters` (passed in: a lesson never imports another).
         max_new: tokens to generate; repeats: interleaved runs per drafter.
     """
-    from infercourse.lessons.draft_verify import compare_drafters
     if not 1 <= draft_len <= heads.n_heads:
         raise ValueError(f"draft_len must be 1..{heads.n_heads} (the heads there are), got {draft_len}")
     drafters = {"plain (no drafts)": lambda seq, h: [],
                 f"first {draft_len} head(s)": heads_drafter(heads, max_draft=draft_len)}
-    return compare_drafters(model, ids, max_new, drafters, repeats=repeats).set_index("drafter").iloc[-1]
+    return compare(model, ids, max_new, drafters, repeats=repeats).set_index("drafter").iloc[-1]
 
 
 def heldout_acceptance(heads, feats: list[dict], start: Sequence[int]):

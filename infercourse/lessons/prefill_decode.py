@@ -24,12 +24,13 @@ import pandas as pd
 from infercourse.measure import bench
 from infercourse.core import reconcile
 from infercourse.measure import roofline
+from infercourse.measure.claims import trend_sentence
 from infercourse.core.types import Request
 # roofline ideas, re-exported: the prefill lesson reaches them as sweeps.* too
 from infercourse.measure.results import new_run_dir
 from infercourse.measure.workloads import exact_length_prompt, local_tokenizer
 
-__all__ = ["length_requests", "prefill_sweep", "timeline", "measure_ceilings"]
+__all__ = ["length_requests", "prefill_sweep", "timeline", "measure_ceilings", "bound", "explain_phases"]
 
 
 def length_requests(engine, lengths: Sequence[int], *, max_tokens: int = 32, repeats: int = 1,
@@ -120,3 +121,56 @@ def measure_ceilings(n_threads: int = 1, *, size_mb: int = 128, matmul_n: int = 
         torch.set_num_threads(before)
     return {"bandwidth_gbs": bw["read_gbs"], "gflops": gflops, "threads": n_threads,
             "gflops_source": f"torch float32 matmul, {n_threads} thread(s)"}
+
+
+def bound(card: Any, n_tokens: int, balance: float) -> str:
+    """"compute-bound" or "bandwidth-bound": a pass of `n_tokens` tokens against the machine
+    balance (FLOP/s ÷ bytes/s), from the arithmetic intensity, not from a label."""
+    return "compute-bound" if roofline.arithmetic_intensity(card, n_tokens) > balance else "bandwidth-bound"
+
+
+def explain_phases(df: pd.DataFrame, *, slope_s: float, prefill_ceiling: float,
+                   decode_ceiling: Callable[[int], float], even: float = 0.25) -> str:
+    """The Explain bullets of a `prefill_sweep`, written from its numbers: how TTFT grew
+    against the token count (in proportion, less, or more), prefill against its ceiling,
+    decode at the shortest and longest context (a trend judged against the repeats' spread,
+    none with one request per length), and which phase was cheaper per token.
+
+    Args:
+        df: `prefill_sweep` rows; slope_s: fitted TTFT seconds per prompt token.
+        prefill_ceiling: tok/s; decode_ceiling: context → tok/s.
+        even: relative band inside which two ratios are called "about" equal.
+    """
+    by = df.groupby("prompt_len")[["ttft_s", "prefill_tok_per_s", "decode_tok_per_s"]].median()
+    lo, hi = int(by.index.min()), int(by.index.max())
+    dec, pre, ttft = by["decode_tok_per_s"], by["prefill_tok_per_s"], by["ttft_s"]
+    t_ratio, n_ratio = ttft[hi] / ttft[lo], hi / lo
+    if t_ratio < n_ratio / (1 + even):
+        shape = ("less than in proportion: a fixed part of TTFT (tokenizing, scheduling, the first decode "
+                 "step) weighs most on the short prompt")
+    elif t_ratio > n_ratio * (1 + even):
+        shape = "more than in proportion: a per-token cost that grows with the length (attention) shows"
+    else:
+        shape = "about in proportion to the tokens"
+    spread = df.groupby("prompt_len")["decode_tok_per_s"].agg(lambda v: v.max() / v.min() - 1 if len(v) > 1 else float("nan"))
+    floor = None if spread.isna().all() else float(spread.max())
+    per_token = pre[hi] / dec[lo]
+    if per_token > 1 + even:
+        which = f"per token, prefill was the cheaper phase here, **{per_token:.1f}×** decode's pace."
+    elif per_token < 1 / (1 + even):
+        which = (f"per token, prefill was *not* the cheaper phase here ({per_token:.2f}× decode's pace): "
+                 "its kernels reached too few FLOP/s to profit from sharing each read of the weights.")
+    else:
+        which = f"per token, the two phases cost about the same here ({per_token:.2f}×)."
+    return "\n".join([
+        f"- TTFT grows from **{ttft[lo] * 1e3:.0f} ms** at {lo} tokens to **{ttft[hi] * 1e3:.0f} ms** at {hi} "
+        f"tokens ({t_ratio:.1f}× for {n_ratio:.0f}× the tokens, {shape}); about **{slope_s * 1e3:.2f} ms per "
+        f"extra prompt token** (slope of a fitted line).",
+        f"- Prefill runs at **{pre[hi]:,.0f} tok/s** on the longest prompt, {pre[hi] / prefill_ceiling:.0%} of "
+        f"the compute ceiling ({prefill_ceiling:,.0f} tok/s).",
+        f"- Decode runs at **{dec[lo]:.1f} tok/s** after {lo} prompt tokens and **{dec[hi]:.1f} tok/s** after {hi}: "
+        f"model bandwidth utilization (MBU) {dec[lo] / decode_ceiling(lo):.0%} and "
+        f"{dec[hi] / decode_ceiling(hi):.0%} of the bandwidth ceiling. "
+        + trend_sentence([lo, hi], [dec[lo], dec[hi]], floor, what="Decode speed", x_name="context"),
+        f"- One decode step takes **{1e3 / dec[lo]:.1f} ms** for one token; prefill handles a token in "
+        f"**{1e3 / pre[hi]:.2f} ms**: {which}"])

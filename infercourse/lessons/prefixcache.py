@@ -36,8 +36,8 @@ from infercourse.measure.results import new_run_dir
 from infercourse.measure.workloads import common_prefix_len
 
 __all__ = ["VLLM_PREFIX_COUNTERS", "LLAMA_SERVER_COUNTERS", "first_divergence", "divergence_view",
-           "cold_warm", "cold_warm_summary", "prometheus_counters", "counter_delta", "run_with_counters",
-           "hit_rate"]
+           "cold_warm", "cold_warm_summary", "cold_warm_sentence", "cache_loss_sentence", "prometheus_counters",
+           "counter_delta", "run_with_counters", "hit_rate"]
 
 # Counters as vLLM (v1 engine) declares them; on the wire each gets a `_total` suffix.
 VLLM_PREFIX_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
@@ -135,6 +135,55 @@ def cold_warm_summary(df: pd.DataFrame) -> pd.DataFrame:
     g = df.groupby(["cache_prompt", "state"])
     return g.agg(requests=("ttft_s", "size"), ttft_s=("ttft_s", "median"),
                  prompt_tokens=("prompt_tokens", "median"), cached_tokens=("cached_tokens", "median"))
+
+
+def cold_warm_sentence(df: pd.DataFrame, predicted_share: float, where: str = "In process",
+                       even: float = 0.25) -> str:
+    """Warm against cold TTFT in words, from `cold_warm`'s rows: the medians, and a ranking
+    only when the two groups do not overlap (every warm request quicker than every cold one,
+    or the reverse); overlapping times are called that. Then the warm share of cold TTFT
+    against the share predicted from the tokens left to prefill.
+
+    Args:
+        df: `cold_warm` output (cache off: the cold requests; cache on, state "warm": the warm ones).
+        predicted_share: (prompt − prefix) / prompt, from the Predict step.
+        where: the sentence's opening words (which engine).
+        even: relative band around the predicted share called "about" it.
+    """
+    cold = df[~df["cache_prompt"].astype(bool)]["ttft_s"]
+    warm = df[df["cache_prompt"].astype(bool) & (df["state"] == "warm")]["ttft_s"]
+    if cold.empty or warm.empty:
+        return f"{where}: no {'cold' if cold.empty else 'warm'} request to compare; see the table."
+    c, w = float(cold.median()), float(warm.median())
+    head = (f"{where}: warm-prefix TTFT **{w:.3f} s** vs cold **{c:.3f} s** (medians of {len(warm)} warm and "
+            f"{len(cold)} cold requests)")
+    if warm.max() < cold.min():
+        verdict = f": **{c / w:.1f}× faster** warm, and every warm request beat every cold one"
+    elif warm.min() > cold.max():
+        verdict = f": warm was **slower** ({w / c:.2f}× cold's time), every warm request behind every cold one"
+    else:
+        verdict = f": the warm and cold times overlap ({c / w:.2f}× between medians), so this run cannot rank them"
+    share = w / c
+    if share > predicted_share * (1 + even):
+        vs = ("more than the predicted share: the part of TTFT a cache cannot remove (one decode step, template, "
+              "sampling) weighs in")
+    elif share < predicted_share / (1 + even):
+        vs = "less than the predicted share: the cold requests cost more than their token count says"
+    else:
+        vs = "about the predicted share"
+    return f"{head}{verdict}. Warm TTFT was {share:.1%} of cold, {vs} ({predicted_share:.1%})."
+
+
+def cache_loss_sentence(name: str, shared: float, got: float, diverge_at: int) -> str:
+    """What a prompt variant did to the cache: its second request's cached tokens against
+    the `shared` variant's, and where the two prompts part."""
+    if got < shared:
+        move = f"cached tokens per request fell from **{shared:.0f}** to **{got:.0f}**"
+    elif got > shared:
+        move = f"cached tokens per request rose from **{shared:.0f}** to **{got:.0f}**"
+    else:
+        move = f"cached tokens per request stayed at **{got:.0f}**, as many as the shared prefix"
+    return f"- {name}: {move} (the prompts part at token {diverge_at})."
 
 
 def prometheus_counters(source: str, names: Iterable[str]) -> dict[str, float]:

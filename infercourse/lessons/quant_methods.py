@@ -147,29 +147,32 @@ def kernel_speedup(kernels, fmt: str) -> float:
     return float(speed[fmt] / speed.iloc[0])
 
 
-def gguf_rung_bits(qtype: str) -> float:
-    """Bits per weight of a GGUF rung as llama.cpp really wrote it (derived once, cached):
-    8 x tensor bytes / parameters. The rung's name is the quantizer's *request*; rows whose
-    length is not a multiple of 256 fall back to other types (`quant_grid`), and some
-    tensors keep more bits, so this can sit far from the name's nominal bits."""
-    from infercourse.lessons.quantization import ladder_paths
+def gguf_rung_bits(path) -> float:
+    """Bits per weight of a GGUF rung as llama.cpp really wrote it: 8 x tensor bytes /
+    parameters. The rung's name is the quantizer's *request*; rows whose length is not a
+    multiple of 256 fall back to other types (`quant_grid`), and some tensors keep more bits,
+    so this can sit far from the name's nominal bits.
+
+    Args:
+        path: the rung's GGUF file (`quantization.ladder_paths([qtype])[qtype]`, derived once).
+    """
     from infercourse.models.modelcard import model_card
-    return float(model_card(ladder_paths([qtype], include_original=False)[qtype]).bits_per_weight)
+    return float(model_card(path).bits_per_weight)
 
 
-def gguf_rung_speedup(qtype: str, prompts: Sequence[str], max_tokens: int, *, n_threads: int = 1,
-                      repeats: int = 4) -> dict:
+def gguf_rung_speedup(qtype: str, path, f16_path, prompts: Sequence[str], max_tokens: int, *,
+                      n_threads: int = 1, repeats: int = 4) -> dict:
     """One GGUF rung against GGUF F16 on llama-server, measured as `measure_methods`
     measures its GGUF rows (interleaved requests, F16 rerun as the A/A arm; one slot each
     here). Returns the rung's row: `decode_speedup`, its interval and `decode_verdict`.
 
     Args:
-        qtype: a llama.cpp file type, e.g. "Q3_K_M" (derived once, cached).
+        qtype: a llama.cpp file type, e.g. "Q3_K_M"; path: its GGUF file; f16_path: GGUF F16's
+            (both from `quantization.ladder_paths`: a lesson never imports another).
         prompts, max_tokens, n_threads, repeats: as in `measure_methods`.
     """
-    from infercourse.lessons.quantization import ladder_paths
     from infercourse.measure import quant_speed as qs
-    paths = {f"gguf {k}": v for k, v in ladder_paths([qtype], include_original=False).items()}
+    paths = {"gguf F16": f16_path, f"gguf {qtype}": path}
     rows = qs.serve_gguf(paths, GGUF_REF, prompts, max_tokens, n_threads=n_threads, concurrency=1, repeats=repeats)
     return rows[f"gguf {qtype}"]
 

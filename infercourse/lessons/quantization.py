@@ -26,7 +26,8 @@ from infercourse.core.errors import ModelLayerError
 
 __all__ = ["measure_ladder", "ladder_paths", "greedy_agreement", "rss_bytes",
            "levels_per_block", "paired_nll_difference",
-           "ladder_table", "tensor_rows", "last_level_cache_bytes", "cache_line"]
+           "ladder_table", "tensor_rows", "last_level_cache_bytes", "cache_line", "nll_verdict",
+           "same_scores_sentence", "ladder_reading"]
 
 
 def rss_bytes() -> int:
@@ -346,3 +347,69 @@ def cache_line(llc_bytes: int | None, weight_bytes: float, mbu: float) -> str:
                "core, and on a VM with the host's other tenants; the KV cache and activations pass through it too)")
     return f"{head} ({ratio:.0%} of it): they could fit, and F16's MBU of {mbu:.0%} is {verdict}."
 
+
+def nll_verdict(a: np.ndarray, b: np.ndarray) -> tuple[float, float, str]:
+    """(mean NLL difference a − b, its standard error, "same" / "worse" / "better"): a is
+    called worse or better than b only when the paired difference clears two standard errors."""
+    diff, se = paired_nll_difference(a, b)
+    return diff, se, "same" if abs(diff) <= 2 * se else "worse" if diff > 0 else "better"
+
+
+def same_scores_sentence(nlls: dict, a: str, b: str) -> str:
+    """Do two files score the text the same? The paired per-token NLL difference against two
+    standard errors, in words (for the F16-derived-from-Q4_1 check)."""
+    diff, se, v = nll_verdict(nlls[a], nlls[b])
+    head = (f"Per-token NLL difference {a} − {b}: {diff:+.5f} ± {2 * se:.5f} nats (2 standard errors) over "
+            f"{len(nlls[a])} tokens")
+    if v == "same":
+        return head + ": the two files score the text **the same** within two standard errors."
+    return head + f": {a} scores the text **{v}** than {b}, beyond two standard errors."
+
+
+def ladder_reading(df, reference: str = "F16") -> str:
+    """What the ladder showed, in words, from `measure_ladder`'s table: whether decode speed
+    followed the bytes, which file sat furthest below its ceiling (MBU), which files scored
+    the text worse than `reference` beyond two standard errors (paired NLL), and whether
+    greedy agreement moved where perplexity did not.
+
+    Args:
+        df: `measure_ladder` output (per-token NLLs in `df.attrs["token_nlls"]` when it scored a text).
+        reference: the file the others are compared with.
+    """
+    r = df.set_index("quant")
+    by_bytes = r.sort_values("weight_bytes", ascending=False)
+    speeds = by_bytes["decode_tok_per_s"].to_numpy(float)
+    seq = ", ".join(f"{q} {v:.0f}" for q, v in by_bytes["decode_tok_per_s"].items())
+    if len(speeds) > 1 and (np.diff(speeds) > 0).all():
+        speed = f"- **Speed vs bytes.** Decode speed rose at every step down in bytes ({seq} tok/s), as a bandwidth-bound decoder's would."
+    else:
+        speed = (f"- **Speed vs bytes.** Decode speed did not rise at every step down in bytes ({seq} tok/s, from most "
+                 "to fewest weight bytes): a purely bandwidth-bound decoder's would.")
+    lines = [speed + " One run per file, no noise band: two close speeds are not a ranking."]
+    if "mbu" in r:
+        lo, bits = r["mbu"].idxmin(), r["bits_per_weight"]
+        if lo == reference:
+            why = "per-weight conversion work, not its bytes, held it back"
+        elif bits[lo] < bits.median():
+            why = "a small file far from its ceiling is held back by per-weight arithmetic (unpacking), not by bytes"
+        else:
+            why = "not one of the small files, so unpacking small fields is not what held this run back most"
+        lines.append(f"- **MBU.** The lowest, {r['mbu'][lo]:.0%}, belongs to {lo} ({bits[lo]:.2f} bits a weight): {why}.")
+    nlls = df.attrs.get("token_nlls") or {}
+    if reference in nlls and len(nlls) > 1:
+        ladder = [q for q in r.sort_values("bits_per_weight", ascending=False).index if q != reference and q in nlls]
+        verdicts = {q: nll_verdict(nlls[q], nlls[reference]) for q in ladder}
+        parts = "; ".join(f"{q} {d:+.3f} ± {2 * se:.3f} ({v})" for q, (d, se, v) in verdicts.items())
+        worse = [q for q in ladder if verdicts[q][2] == "worse"]
+        tail = (f"the first file down the ladder that scores clearly worse is **{worse[0]}** "
+                f"({r['bits_per_weight'][worse[0]]:.2f} bits a weight)" if worse else
+                f"no file scored clearly worse than {reference} on this text")
+        lines.append(f"- **Quality.** Mean NLL per token against {reference} (± 2 SE, nats): {parts}; {tail}.")
+        early = [q for q in ladder if verdicts[q][2] == "same" and r["greedy_agreement"][q] < 1]
+        lines.append(
+            f"- **Agreement vs perplexity.** {', '.join(f'{q} ({r.greedy_agreement[q]:.0%})' for q in early)} kept "
+            f"{reference}'s perplexity within 2 SE yet changed greedy answers: agreement reacts to the first "
+            "flipped token, before perplexity moves." if early else
+            f"- **Agreement vs perplexity.** No file changed its greedy answers while keeping {reference}'s "
+            "perplexity within 2 SE: here agreement did not move before perplexity.")
+    return "\n".join(lines)

@@ -34,7 +34,7 @@ import numpy as np
 from infercourse.core.errors import ModelLayerError
 
 __all__ = ["lookup_draft", "lookup_proposer", "replay_acceptance", "chunk_acceptance", "truncated_draft",
-           "output_ids", "compare_speculation",
+           "output_ids", "compare_speculation", "outcome", "speedup_text", "explain_speculation", "loop_verdicts",
            "expected_tokens_per_step", "expected_speedup", "break_even_acceptance", "plot_speedup"]
 
 Proposer = Callable[[np.ndarray], np.ndarray]
@@ -222,7 +222,8 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
     lookup_acceptance and lookup_tokens_per_step (replayed prompt-lookup drafter, for
     configs using it), speed_up (baseline e2e / e2e, same prompt: the median paired ratio
     over `repeats`) and identical_output (text equal to the baseline's). With repeats >= 2
-    each baseline also runs as its own A/A rerun, and each row gets `speed_up_lo`/`_hi`,
+    each baseline also runs as its own A/A rerun, and each row gets `speed_up_lo`/`_hi`
+    (a 95% interval where `speed_up_exact`, else the range of its `speed_up_pairs` ratios),
     `noise_floor` (the A/A floor for that baseline and prompt) and `verdict`
     (`measure.noise.compare`: the baseline, its rerun and the config tested as one block).
 
@@ -299,16 +300,101 @@ def _judge(trials, baselines: Mapping[str, str], aa: Mapping[str, str]):
     df["e2e_s"] = [float(e2e.loc[(c, p)].median()) for c, p in zip(df["config"], df["prompt"])]
     first = df.set_index(["config", "prompt"])
     rerun = {b: a for a, b in aa.items()}
-    cols = {k: [] for k in ("speed_up", "speed_up_lo", "speed_up_hi", "noise_floor", "verdict")}
+    cols = {k: [] for k in ("speed_up", "speed_up_lo", "speed_up_hi", "speed_up_exact", "speed_up_pairs",
+                            "noise_floor", "verdict", "fewest_pairs")}
     for c, p in zip(df["config"], df["prompt"]):
         b = baselines[c]
         iv = noise.paired_interval(e2e.loc[(c, p)], e2e.loc[(b, p)])        # baseline / this: > 1 is faster
         floor = noise.noise_floor(e2e.loc[(b, p)], e2e.loc[(rerun[b], p)]) if b in rerun else None
-        verdict = "reference" if c == b else noise.compare(e2e.loc[(b, p)], e2e.loc[(c, p)], floor, labels=(b, c)).verdict \
-            if floor else "1 run: not judged"
-        for k, v in zip(cols, (iv.median, iv.lo, iv.hi, floor.floor if floor else float("nan"), verdict)):
+        cmp = noise.compare(e2e.loc[(b, p)], e2e.loc[(c, p)], floor, labels=(b, c)) if floor and c != b else None
+        verdict = "reference" if c == b else cmp.verdict if cmp else "1 run: not judged"
+        for k, v in zip(cols, (iv.median, iv.lo, iv.hi, iv.exact, iv.n, floor.floor if floor else float("nan"), verdict,
+                               cmp.fewest if cmp else 0)):
             cols[k].append(v)
     df = df.assign(**cols)
     df["identical_output"] = [first.loc[(baselines[c], p), "text"] == t for c, p, t in
                               zip(df["config"], df["prompt"], df["text"])]
     return df
+
+
+# -- what the run showed, in words (issue 26: every outcome from the verdicts) ---------------
+def outcome(verdict: str, config: str, baseline: str) -> str:
+    """A `noise.compare` verdict on `config` against `baseline`, as a phrase that says which
+    way, or that the run cannot tell."""
+    if verdict == f"{config} faster":
+        return f"faster than {baseline}, beyond the A/A noise"
+    if verdict == f"{baseline} faster":
+        return f"slower than {baseline}, beyond the A/A noise"
+    if verdict == "within noise":
+        return f"within noise of {baseline}: this run cannot rank them"
+    return verdict
+
+
+def speedup_text(r) -> str:
+    """"1.23× (range [1.01, 1.40] of 4 pairs)": the median paired speed-up with its bracket,
+    called a range when too few pairs make it one (`claims.interval_word`)."""
+    from infercourse.measure.claims import interval_word
+    exact, n = bool(getattr(r, "speed_up_exact", False)), getattr(r, "speed_up_pairs", None)
+    pairs = f" of {int(n)} pairs" if n is not None and n == n else ""
+    return f"{r.speed_up:.2f}× ({interval_word(exact)} [{r.speed_up_lo:.2f}, {r.speed_up_hi:.2f}]{pairs})"
+
+
+def explain_speculation(df, baselines: Mapping[str, str], server_df=None, *, self_draft: str | None = None,
+                        hit: float = 1.5) -> str:
+    """The Explain text of `compare_speculation` (and `spec_server.server_speculation`),
+    written from the verdicts: one line per configuration and prompt, then where the
+    drafters hit (at least `hit` tokens per target pass) and what that bought, and the self
+    draft's outcome. A difference inside the A/A noise is called that, never a gain or a loss.
+
+    Args:
+        df: `compare_speculation` rows; baselines: {config: its baseline}.
+        server_df: `server_speculation` rows (no A/A rerun there: not judged, and said so).
+        self_draft: the config whose drafter is the target itself (every guess right).
+        hit: tokens per pass from which a drafter counts as hitting.
+    """
+    from infercourse.measure.noise import band_text
+    tps = df["lookup_tokens_per_step"].fillna(df["chunk_tokens_per_step"]) \
+        if "lookup_tokens_per_step" in df else df["chunk_tokens_per_step"]
+    acc = df["lookup_acceptance"].fillna(df["draft_acceptance"]) if "lookup_acceptance" in df else df["draft_acceptance"]
+    lines, hits, misses = [], [], []
+    for i, r in df.iterrows():
+        b = baselines[r.config]
+        if r.config == b:
+            continue
+        what = outcome(r.verdict, r.config, b)
+        a = f"{acc[i]:.0%} accepted" if acc[i] == acc[i] else "acceptance not counted"
+        band = band_text(r.noise_floor) if r.noise_floor == r.noise_floor else "none"
+        lines.append(f"- **{r.config}** / {r.prompt}: {a}, {tps[i]:.2f} tokens/pass, speed-up {speedup_text(r)}, "
+                     f"noise band {band}: **{what}**")
+        (hits if tps[i] >= hit else misses).append(f"{r.config} / {r.prompt}: {what.split(',')[0].split(':')[0]}")
+    out = "\n".join(lines)
+    judged = df[df["config"] != df["config"].map(baselines)]
+    if "fewest_pairs" in df and len(judged) and (judged["speed_up_pairs"] < judged["fewest_pairs"]).any():
+        n, need = int(judged["speed_up_pairs"].min()), int(judged["fewest_pairs"].max())
+        out += (f"\n\nWith {n} pairs the permutation test can never pass (it needs at least {need}): every row "
+                "above is within noise by construction, whatever its median. Raise `REPEATS` to rank anything.")
+    out += (f"\n\nWhere the guesses hit (≥ {hit:g} tokens per target pass): {'; '.join(hits) or 'nowhere'}. "
+            f"Where they rarely did: {'; '.join(misses) or 'nowhere'}.")
+    for _, r in df[df["config"] == self_draft].iterrows():
+        out += (f" The self draft on the {r.prompt} prompt (every guess right by construction): "
+                f"{outcome(r.verdict, r.config, baselines[r.config])}.")
+    if server_df is not None and len(server_df):
+        base = server_df["config"].iloc[0]
+        rows = [f"{r.config} / {r.prompt}: {r.draft_n_accepted}/{r.draft_n} drafts accepted, decode {r.speed_up:.2f}× {base}"
+                for r in server_df.itertuples() if r.config != base]
+        out += ("\n\nllama-server (each the fastest of its runs; no A/A rerun, so these ratios are not judged "
+                "against noise): " + ("; ".join(rows) or "no drafter ran") + ".")
+    return out
+
+
+def loop_verdicts(loops) -> str:
+    """One line per drafter of `draft_verify.compare_drafters`: its CPU-time speed-up with
+    its interval or range and the verdict against the A/A floor, in words."""
+    ref = loops["drafter"].iloc[0]
+    out = "\n".join(f"- **{r.drafter}**: {r.tokens_per_pass:.2f} tokens per pass, CPU-time speed-up {speedup_text(r)}: "
+                    f"**{outcome(r.verdict, r.drafter, ref)}**" for r in loops.itertuples() if r.drafter != ref)
+    rest = loops[loops["drafter"] != ref]
+    if "fewest_pairs" in loops and len(rest) and (rest["speed_up_pairs"] < rest["fewest_pairs"]).any():
+        out += (f"\n\nWith {int(rest['speed_up_pairs'].min())} pairs the test can never pass (it needs at least "
+                f"{int(rest['fewest_pairs'].max())}): within noise by construction.")
+    return out

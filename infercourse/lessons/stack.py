@@ -226,22 +226,38 @@ def layer_overheads(df: pd.DataFrame) -> pd.DataFrame:
     return med
 
 
-def explain_layers(df: pd.DataFrame) -> str:
-    """The Explain sentence for `through_layers`, computed: what the server and API layers
+def explain_layers(df: pd.DataFrame, floor_ms: float | None = None) -> str:
+    """The Explain sentences for `through_layers`, computed: what the server and API layers
     added to median TTFT, compared with the runtime's own run-to-run spread (so a
-    difference smaller than the noise is called that, not a speed-up or a cost)."""
+    difference smaller than the noise is called that, not a speed-up or a cost), whether
+    that plumbing or the runtime's own time was the larger part, and (with `floor_ms`, the
+    roofline's compute floor) where the runtime's TTFT sits against the floor."""
     med = layer_overheads(df)
     runtime, served = med.index[0], med.index[-1]
     added_ms = float(med.loc[served, "ttft_added_ms"])
+    runtime_ms = 1000 * float(med.loc[runtime, "ttft_s"])
     base = df[df["layer"] == runtime]["ttft_s"]
     spread_ms = 1000 * float(base.max() - base.min())
     verdict = (f"adds **{added_ms:.1f} ms**" if abs(added_ms) > spread_ms else
                f"adds no cost we can separate from noise here ({added_ms:+.1f} ms, while the "
                f"runtime's own TTFT varied by {spread_ms:.1f} ms between repeats)")
-    return (f"Going through the server and API {verdict} to the median time to first token "
-            f"(runtime alone: {1000 * med.loc[runtime, 'ttft_s']:.0f} ms). Decode speed: "
-            f"{med.loc[runtime, 'decode_tok_per_s']:.0f} tok/s in process vs "
-            f"{med.loc[served, 'decode_tok_per_s']:.0f} tok/s through the server.")
+    out = (f"Going through the server and API {verdict} to the median time to first token "
+           f"(runtime alone: {runtime_ms:.0f} ms). Decode speed: "
+           f"{med.loc[runtime, 'decode_tok_per_s']:.0f} tok/s in process vs "
+           f"{med.loc[served, 'decode_tok_per_s']:.0f} tok/s through the server.")
+    if added_ms < runtime_ms:
+        out += (f"\n\nHere the runtime's own work ({runtime_ms:.0f} ms) was the larger part of TTFT, "
+                f"the plumbing the smaller: a slow served model on loopback points below the server first.")
+    else:
+        out += (f"\n\nHere the plumbing ({added_ms:.0f} ms) was not smaller than the runtime's own work "
+                f"({runtime_ms:.0f} ms): on this machine the server layer is worth a look before the engine.")
+    if floor_ms is not None and floor_ms > 0:
+        ratio = runtime_ms / floor_ms
+        out += (f" The runtime's median TTFT is **{ratio:.1f}×** the compute floor ({floor_ms:.1f} ms)"
+                + (": the floor counts only the matrix multiplies, and the rest of the gap is what it leaves out."
+                   if ratio >= 1 else
+                   ": below it, so the engine's kernels beat the plain float32 matmul the floor was measured with."))
+    return out
 
 
 def raw_exchange(url: str, prompt: str, *, max_tokens: int = 8, model: str = "any") -> dict[str, Any]:

@@ -34,7 +34,7 @@ from infercourse.ops.anthropic_probe import cache_buster_check, tool_check
 from infercourse.ops.faults import FAULTS, run_fault
 
 __all__ = ["SYMPTOMS", "DIFFERS", "SymptomRow", "reproduce", "context_growth", "cpu_contention", "retry_tail",
-           "blank_sheet", "table", "score", "write_cheatsheet", "MEASURED", "cheatsheet_markdown"]
+           "retry_sentence", "costliest", "blank_sheet", "table", "score", "write_cheatsheet", "MEASURED", "cheatsheet_markdown"]
 
 # symptom -> (the guide's suspect layers, in its order; how it is reproduced here)
 SYMPTOMS = {
@@ -213,7 +213,51 @@ def retry_tail(server, *, n: int = 6, outage_s: float = 2.0, retries: int = 4, b
                         time.sleep(backoff_s * 2 ** (attempt - 1))
                 rows.append({"mode": mode, "ok": ok, "attempts": attempt, "seconds": time.perf_counter() - t0})
             engine.close()
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows)
+    df.attrs.update(outage_s=outage_s, backoff_s=backoff_s)
+    return df
+
+
+def retry_sentence(tail: pd.DataFrame) -> str:
+    """What the retries did in `retry_tail`'s run, from its rows: the failures and the slowest
+    request without and with retries, and which way each moved (or that it did not). One
+    run of a few requests per mode: no noise band, so a small change in the slowest request
+    is reported as a number, not as a trend."""
+    modes = list(dict.fromkeys(tail["mode"]))
+    a, b = (tail[tail["mode"] == m] for m in (modes[0], modes[-1]))
+    fa, fb = int((~a["ok"].astype(bool)).sum()), int((~b["ok"].astype(bool)).sum())
+    sa, sb = float(a["seconds"].max()), float(b["seconds"].max())
+    head = (f"{modes[0]}: {fa} of {len(a)} requests failed, the slowest took {sa:.2f} s. {modes[-1]}: {fb} of "
+            f"{len(b)} failed, the slowest took {sb:.2f} s")
+    outage = tail.attrs.get("outage_s")
+    span = f" (the outage lasted {outage:g} s)" if outage else ""
+    if fb < fa:
+        moved = (f"the retries turned {fa - fb} failure(s) into successes and the slowest request grew by "
+                 f"{sb - sa:.2f} s{span}: the errors moved into the tail" if sb > sa else
+                 f"the retries turned {fa - fb} failure(s) into successes without a slower request{span}")
+    elif fb == fa == 0:
+        moved = f"no request met the outage in either mode{span}, so there was nothing for the retries to do"
+    elif fb == fa:
+        moved = f"the retries did not change the number of failures{span}: the outage outlasted every retry"
+    else:
+        moved = f"more requests failed with retries than without{span}: the outage hit the two modes differently"
+    return f"{head}: {moved}."
+
+
+# rows whose symptom is time: found by a deadline (frozen) or by waiting in a queue (overloaded)
+_WAITS = {"frozen": "found only by a timeout", "overloaded": "waits in a queue"}
+
+
+def costliest(rows: list[SymptomRow], k: int = 3) -> str:
+    """The `k` rows that took longest to reproduce, diagnose and undo, and which of them
+    must wait for something (a timeout, a queue) rather than read an error."""
+    top = sorted((r for r in rows if r.skipped is None), key=lambda r: r.seconds, reverse=True)[:k]
+    if not top:
+        return "No row was reproduced here."
+    parts = [f"{r.symptom} ({r.seconds:.1f} s{', ' + _WAITS[r.how] if r.how in _WAITS else ''})" for r in top]
+    waiting = sum(r.how in _WAITS for r in top)
+    return (f"The costliest rows in this run: {'; '.join(parts)}. {waiting} of these {len(top)} wait on time "
+            "(a deadline or a queue) rather than read an error.")
 
 
 def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float = 3.0) -> SymptomRow:

@@ -19,7 +19,7 @@ import numpy as np
 
 from infercourse.core.summary import order_stat_ci
 
-__all__ = ["verdict_sentence", "mean_vs_median", "ratio_sentence", "shape_sentence", "share_vs_yardstick",
+__all__ = ["band_verdict", "verdict_sentence", "mean_vs_median", "ratio_sentence", "shape_sentence", "share_vs_yardstick",
            "marginal_cost_sentence", "trend_sentence", "interval_word"]
 
 
@@ -200,3 +200,14 @@ def trend_sentence(x: Sequence[float], y: Sequence[float], floor: float | None, 
     if 1 / (1 + floor) <= r <= 1 + floor:
         return head + f": **flat** within the noise band [{1 / (1 + floor):.2f}, {1 + floor:.2f}]."
     return head + f": **{'rising' if r > 1 else 'falling'}**, outside the noise band [{1 / (1 + floor):.2f}, {1 + floor:.2f}]."
+
+
+def band_verdict(r: float, floor: float | None) -> tuple[str, str]:
+    """(kind, text) of a ratio against the noise band [1/(1+floor), 1+floor]: kind is
+    "within", "outside" or "unjudged" (no band, or an unbounded one)."""
+    if floor is None or not math.isfinite(floor):
+        return "unjudged", "no finite A/A noise band was measured, so this gap is not judged"
+    band = f"[{1 / (1 + floor):.2f}, {1 + floor:.2f}]"
+    if 1 / (1 + floor) <= r <= 1 + floor:
+        return "within", f"inside the A/A noise band {band}: this run cannot rank them"
+    return "outside", f"outside the A/A noise band {band}"
