@@ -220,14 +220,105 @@ def test_header_sentence_flips():
     assert "gave no prompt size" in ra.header_sentence(_tab(on=on, off=unknown), "on", "off")
 
 
-def test_compaction_sentence_sees_a_shrinking_prompt_or_none():
-    grow = pd.DataFrame({"turn": ["t0", "t1", "t2"], "ended": ["ok", "ok", "error"], "calls": 1, "answered": [1, 1, 0],
-                         "largest prompt": [800, 1600, 2400], "refused": [0, 0, 1], "agent's window": 1e6,
-                         "agent said": ""})
-    shrink = grow.assign(**{"largest prompt": [800, 1600, 900], "answered": 1, "refused": 0, "ended": "ok"})
-    s = ra.compaction_sentence(grow, shrink, 2048)
-    assert "as is, 2 of 3 turns ended without an error, first refusal at t2, the prompt never shrank" in s
-    assert "Told the window: 3 of 3 turns ended without an error, no refusal, the prompt shrank at t2 (compaction)" in s
+def test_claude_window_limits_follow_the_pinned_arithmetic():
+    told = agents.claude_window_limits(16408, max_output=64)
+    assert told["compacts_above"] == 16408 - 64 - 13000 and told["refuses_above"] == 16408 - 64 - 3000
+    uncapped = agents.claude_window_limits(32768)          # 32,000 output tokens: 20,000 reserved
+    assert uncapped["compacts_above"] == 32768 - 20000 - 13000 < 0
+
+
+def test_compaction_plan_sizes_the_window_and_its_sentence_flips(monkeypatch):
+    monkeypatch.setattr(ra, "session_pastes", lambda turns, n: ["w " * n] * turns)
+    up = lambda n: -(-n // 256) * 256   # noqa: E731 - the server's cache steps
+    big = ra.compaction_plan(800, 6, 4000, max_output=64, room=1000, count=words)
+    # as is, the session outgrows the window halfway through its last paste
+    assert big["window"] == up(800 + 5 * 4000 + 2000) and big["last_turn"] > big["window"]
+    assert big["compacts_above"] == big["window"] - 13064 > big["first_turn"]
+    s = ra.plan_sentence(big)
+    assert "outgrows the server in its last turn" in s and "compacts once the session has grown" in s
+    # short pastes: the window is set by the told agent's refusal limit, above the whole session
+    small = ra.compaction_plan(800, 2, 200, max_output=64, room=1000, count=words)
+    assert small["window"] == up(800 + 200 + 1000 + 3064) and small["refuses_above"] >= 2000
+    s = ra.plan_sentence(small)
+    assert "does not outgrow this server" in s and "compacts at every call" in s
+    assert "refuses to send at all" in ra.plan_sentence({**small, "refuses_above": 900})
+    assert ra.told_env(big) == {"CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(big["window"])}
+
+
+def _session_run(monkeypatch, message_tokens, prompts, errors, tasks, diffs=None):
+    """A synthetic lab folder's tables, for `session_view`: 500 tokens of tools, then one message;
+    each call's first difference (part, tokens kept before it) from `diffs`, or: a call whose
+    messages shrink replaced the first message (a rewrite), any other appended to the history."""
+    n = len(prompts)
+    diffs = diffs or [("first call", 0)] + [("message 0 (user)", 500) if m < prev else ("message 2 (user)", 500 + prev)
+                                            for prev, m in zip(message_tokens, message_tokens[1:])]
+    calls = pd.DataFrame({"request_id": range(n), "task": [t for t, k in tasks for _ in range(k)], "api": "anthropic",
+                          "status": ["error" if e else "ok" for e in errors], "error": errors,
+                          "prompt_tokens": prompts, "cached_tokens": 0, "output_tokens": 8, "stop_reason": "end_turn",
+                          "first_diff": [d for d, _ in diffs], "tokens_before_diff": [k for _, k in diffs]})
+    monkeypatch.setattr(ra, "calls_table", lambda out: calls)
+    turns = pd.DataFrame({"task": [t for t, _ in tasks], "exit": [0 if k else 1 for _, k in tasks],
+                          "terminal_reason": [None if k else "blocking_limit" for _, k in tasks],
+                          "assumed_context_window": [{"m": 1_000_000}] * len(tasks), "query_sources": [["sdk"]] * len(tasks)})
+    monkeypatch.setattr(ra, "tasks_table", lambda out: turns)
+    from infercourse.ops import agent_lab
+    monkeypatch.setattr(agent_lab, "anatomy", lambda out: [
+        {"request_id": i, "parts": [{"kind": "tool", "tokens": 500}, {"kind": "message", "tokens": m}]}
+        for i, m in enumerate(message_tokens)])
+    return ra.session_view("unused")
+
+
+def _two_sessions(monkeypatch):
+    """As is: grows until the server refuses its last call. Told: rewritten in t2, then t4 not sent."""
+    refusal = "request (9100 tokens) exceeds the available context size (9000 tokens), try increasing it"
+    as_is = _session_run(monkeypatch, [2000, 4000, 6000, 8600], [2500, 4500, 6500, None], [None, None, None, refusal],
+                         [("t0", 1), ("t1", 1), ("t2", 1), ("t3", 1)])
+    told = _session_run(monkeypatch, [2000, 4000, 5400, 1500, 3500], [2500, 4500, 5900, 2000, 4000], [None] * 5,
+                        [("t0", 1), ("t1", 1), ("t2", 2), ("t3", 1), ("t4", 0)])
+    return as_is, told
+
+
+def test_session_view_marks_the_rewrite_and_the_refusals(monkeypatch):
+    as_is, told = _two_sessions(monkeypatch)
+    assert not as_is["rewrote_history"].any() and as_is["prompt_tokens"].iloc[-1] == 9100   # the refusal's own count
+    assert list(as_is["refused_by"].fillna("-")) == ["-", "-", "-", "server"]
+    assert list(told["rewrote_history"].fillna(False)) == [False, False, False, True, False, False]
+    # messages that shrink while the first one stays (a summary request dropping the newest turn), or
+    # a first message edited past its start (a summary request's instructions reworded): no rewrite
+    kept = _session_run(monkeypatch, [2000, 6000, 3000, 2900], [2500, 6500, 3500, 3400], [None] * 4,
+                        [("t0", 1), ("t1", 3)], diffs=[("first call", 0), ("message 2 (user)", 2500),
+                                                       ("message 2 (user)", 2500), ("message 0 (user)", 2200)])
+    assert not kept["rewrote_history"].any()
+    header = _session_run(monkeypatch, [2000, 6000, 3000], [2500, 6500, 3500], [None] * 3, [("t0", 1), ("t1", 2)],
+                          diffs=[("first call", 0), ("message 2 (user)", 2500), ("system 0", 20)])
+    assert list(header["rewrote_history"]) == [False, False, True]   # the billing header follows the first message
+    assert told["status"].iloc[-1] == "not sent" and told["refused_by"].iloc[-1] == "agent"
+
+
+def test_compaction_sentence_flips_with_what_each_session_did(monkeypatch):
+    as_is, told = _two_sessions(monkeypatch)
+    told = told.iloc[:-1]
+    s = ra.compaction_sentence(as_is, told, 9000)
+    assert "the server refused 1 of its 4 calls, the first in t3" in s and "its history was never rewritten" in s
+    assert "rewrote its history 1 time(s), first in t2, and the prompt dropped: 5,900 tokens on the call before, " \
+           "2,000 on the rewritten call" in s
+    assert s.endswith("the server refused none of its calls; as is, the server refused the session.")
+    never_full = as_is.iloc[:-1]
+    assert "does not show a refusal that compaction prevented" in ra.compaction_sentence(never_full, told, 9000)
+    no_compaction = told.assign(rewrote_history=False)
+    assert "did not compact in this run" in ra.compaction_sentence(as_is, no_compaction, 9000)
+    late = _session_run(monkeypatch, [2000, 4000, 8600, 3000], [2500, 4500, None, 3500],
+                        [None, None, "request (9100 tokens) exceeds the available context size (9000 tokens)", None],
+                        [("t0", 1), ("t1", 1), ("t2", 2)])
+    assert s.endswith("as is, the server refused the session.")
+    assert ra.compaction_sentence(late, told, 9000).endswith(
+        "as is, the server refused the session, and the agent compacted only after that refusal.")
+    grew_back = told.assign(prompt_tokens=[2500, 4500, 5900, 6000, 7000])
+    assert "the prompt did not drop" in ra.compaction_sentence(as_is, grew_back, 9000)
+    started = no_compaction.assign(compact_logged=no_compaction["turn"] == "t2", ended=["ok"] * 4 + ["timeout"])
+    s = ra.compaction_sentence(as_is, started, 9000)
+    assert "logged a compaction query in t2, but no call started from a summary" in s
+    assert "1 turn(s) hit the task's time bound" in s and "did not finish a compaction in this run" in s
 
 
 def test_amplification_counts_identical_resends_of_the_first_request(tmp_path, monkeypatch):
@@ -318,6 +409,44 @@ def test_claude_code_first_request_is_captured_in_the_namespace(tmp_path):
     assert body["system"][0]["text"].startswith("x-anthropic-billing-header:")
     assert any(m["role"] == "system" for m in body["messages"])            # the env block as a message
     assert ra.first_call_parts(out, int(gen["request_id"].iloc[0]))["tokens"].sum() > 0
+
+
+def _reported_windows(out) -> pd.Series:
+    return tasks_table(out).set_index("task")["assumed_context_window"].map(
+        lambda d: max(d.values()) if isinstance(d, dict) and d else None)
+
+
+@pytest.mark.slow
+@_real("claude-code")
+def test_claude_code_takes_its_window_from_max_context_tokens(tmp_path):
+    """The pinned version reports the window CLAUDE_CODE_MAX_CONTEXT_TOKENS names; an
+    auto-compact window under its 100,000-token floor leaves the 1,000,000 it assumes."""
+    task = lambda label, **env: ra.claude_task(label, "Say hello.", "ci", env={**ra.SHORT_ANSWER, **env},  # noqa: E731
+                                               timeout_s=300)
+    out = run_lab(LabSpec(str(tmp_path / "w"), [task("as is"), task("max context", CLAUDE_CODE_MAX_CONTEXT_TOKENS="4096"),
+                                                task("auto compact", CLAUDE_CODE_AUTO_COMPACT_WINDOW="4096")], ctx=4096))
+    win = _reported_windows(out)
+    assert win["as is"] == agents.CLAUDE_ASSUMED_WINDOW and win["max context"] == 4096
+    assert win["auto compact"] == agents.CLAUDE_ASSUMED_WINDOW
+
+
+@pytest.mark.slow
+@_real("claude-code")
+def test_claude_code_told_a_small_window_begins_its_next_turn_by_compacting(tmp_path):
+    """Told a window under its reserves (its threshold below zero), the agent's first query of
+    a continued session's next turn is a compaction (its log names it); as is, it is the task's
+    own query. Whether the embedded model's summary lets a compaction finish is the notebook's
+    measurement, not asserted here. Each turn is bounded in time; what the agent logged is
+    recorded however the turn ended."""
+    limits = agents.claude_window_limits(8192, 64)
+    assert limits["compacts_above"] < 0 < limits["refuses_above"]
+    first = {}
+    for name, env in (("as-is", {}), ("told", {agents.CLAUDE_WINDOW_ENV: "8192"})):
+        tasks = ra.growing_session("ci", 2, 1500, {**ra.SHORT_ANSWER, **env}, timeout_s=120)
+        out = run_lab(LabSpec(str(tmp_path / name), tasks, ctx=8192, n_predict=None))
+        first[name] = tasks_table(out).set_index("task")["query_sources"]
+        assert _reported_windows(out).dropna().max() == (8192 if env else agents.CLAUDE_ASSUMED_WINDOW)
+    assert first["told"]["turn 1"] == ["compact"] and first["as-is"]["turn 1"] == ["sdk"]
 
 
 @pytest.mark.slow

@@ -15,7 +15,10 @@ stand-in does not:
 - **max_tokens against the window**: the agent asks for 32,000; the server clips the answer
   at the window, and the agent's attempt to continue it overflows;
 - **compaction**: the agent assumes a 1,000,000-token window for a model it does not know,
-  so a session grows until the server refuses it, unless it is told the real window;
+  so a session grows until the server refuses it, unless `CLAUDE_CODE_MAX_CONTEXT_TOKENS`
+  tells it the real window (`CLAUDE_CODE_AUTO_COMPACT_WINDOW` cannot: this version reads a
+  value under 100,000 as 100,000); whether it then compacts, and what the prompt does after,
+  is read from the captured calls (`session_view`);
 - **retry amplification**: a client timeout shorter than a cold prefill re-sends the whole
   request, and the server may pay for the prefill again each time.
 
@@ -36,8 +39,9 @@ from infercourse.ops.agent_lab import EXTEND_CONTEXT, LabSpec, Task, calls_table
 
 __all__ = ["SIZES", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
            "versus_stand_in", "evaluated_by_task", "cold_warm_sentence", "header_sentence", "clip_view",
-           "compaction_view", "amplification", "amplification_sentence", "extension_cost", "extension_sentence", "growing_session",
-           "compaction_sentence", "doctor_on_fresh_server", "calls_table", "tasks_table", "EXTEND_CONTEXT"]
+           "amplification", "amplification_sentence", "extension_cost", "extension_sentence", "session_pastes",
+           "growing_session", "compaction_plan", "told_env", "plan_sentence", "session_view", "compaction_sentence",
+           "doctor_on_fresh_server", "calls_table", "tasks_table", "EXTEND_CONTEXT"]
 
 SHORT_SYSTEM = "You are a coding assistant. Answer in one short sentence."
 # The two sizes: "full" sends the agents' own requests; "ci" shrinks them with the agents' own
@@ -85,10 +89,12 @@ def codex_task(label: str, prompt: str, size: str, *, timeout_s: float = 900, **
 
 
 def lab(root: str | Path, name: str, tasks: list[Task], *, ctx: int, threads: int = 1, extend: bool = False,
-        model: str | None = None) -> Path:
+        model: str | None = None, n_predict: int | None = 64) -> Path:
     """Run `tasks` on one fresh llama-server of `ctx` tokens (one slot) in the sealed lab;
-    `extend`: serve `ctx` to the embedded model trained on 8,192 (YaRN). Returns the folder."""
-    spec = LabSpec(str(Path(root) / name), tasks, ctx=ctx, threads=threads, model=model,
+    `extend`: serve `ctx` to the embedded model trained on 8,192 (YaRN); `n_predict`: the
+    server's own output cap (`-n`; None: only the agent's max_tokens bounds an answer).
+    Returns the folder."""
+    spec = LabSpec(str(Path(root) / name), tasks, ctx=ctx, threads=threads, model=model, n_predict=n_predict,
                    server_args=EXTEND_CONTEXT(ctx) if extend else [])
     return run_lab(spec)
 
@@ -193,23 +199,6 @@ def clip_view(out: str | Path) -> pd.DataFrame:
     return df[[c for c in cols if c in df.columns]]
 
 
-def compaction_view(out: str | Path) -> pd.DataFrame:
-    """Each turn of a growing session: prompt size, whether it was answered, and the context
-    window the agent said it assumed."""
-    calls, tasks = calls_table(out), tasks_table(out).set_index("task")
-    gen = calls[calls["api"] == "anthropic"]
-    rows = []
-    for task, c in gen.groupby("task", sort=False):
-        windows = tasks.loc[task].get("assumed_context_window") or {}
-        rows.append({"turn": task, "ended": "ok" if tasks.loc[task, "exit"] == 0 else "error",
-                     "calls": len(c), "answered": int((c["status"] == "ok").sum()),
-                     "largest prompt": c["prompt_tokens"].max(), "refused": int(c["error"].fillna("").str.contains(
-                         "exceeds the available context").sum()),
-                     "agent's window": max(windows.values()) if isinstance(windows, dict) and windows else None,
-                     "agent said": str(tasks.loc[task].get("result_preview", ""))[:60]})
-    return pd.DataFrame(rows)
-
-
 def amplification(out: str | Path) -> pd.DataFrame:
     """Per task: how many copies of its first request the agent sent (the first call and the
     identical re-sends right after it: retries), how many were answered, one copy's prompt
@@ -275,34 +264,194 @@ def extension_sentence(cost: dict[str, Any]) -> str:
             f"{diff:+.3f} nats per token (2 SE {se:.3f}): {verdict}, perplexity x{np.exp(diff):.2f}.")
 
 
-def growing_session(size: str, turns: int, paste_words: int, env: dict[str, str], timeout_s: float) -> list[Task]:
-    """One Claude Code session of `turns` tasks (`--continue`), each pasting `paste_words` words
-    of the course's evaluation text: the history grows by about that much every turn."""
+def session_pastes(turns: int, paste_words: int) -> list[str]:
+    """What each turn of the growing session pastes: `paste_words` words of the course's
+    evaluation text, read in a cycle (a long paste is longer than the text), each turn going
+    on where the one before stopped."""
     from infercourse.measure.workloads import eval_text
     words = eval_text().split()
-    out = []
-    for k in range(turns):
-        paste = " ".join(words[(k * paste_words) % len(words):][:paste_words])
-        out.append(claude_task(f"turn {k}", f"Note {k}:\n{paste}\nSay OK.", size,
-                               env=env, timeout_s=timeout_s, session="session", resume=k > 0))
-    return out
+    return [" ".join(words[(k * paste_words + i) % len(words)] for i in range(paste_words)) for k in range(turns)]
+
+
+def growing_session(size: str, turns: int, paste_words: int, env: dict[str, str], timeout_s: float) -> list[Task]:
+    """One Claude Code session of `turns` tasks (`--continue`), each pasting `session_pastes`:
+    the history grows by one paste (and an answer) every turn."""
+    return [claude_task(f"turn {k}", f"Note {k}:\n{paste}\nSay OK.", size, env=env, timeout_s=timeout_s,
+                        session="session", resume=k > 0) for k, paste in enumerate(session_pastes(turns, paste_words))]
+
+
+def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_output: int, room: int,
+                    count=None) -> dict[str, int]:
+    """The server window for the growing session, and the pinned agent's limits told it.
+
+    Args:
+        first_tokens: a one-line task's first request, measured (each turn adds its paste,
+            counted by the embedded model's tokenizer, and an answer).
+        max_output: the agents' answer cap (CLAUDE_CODE_MAX_OUTPUT_TOKENS).
+        room: tokens left above the first turn, under the told agent's refusal limit.
+
+    The window is the larger of the size the session reaches halfway through its last paste
+    (as is, it outgrows the server there) and the smallest window on which the told agent
+    still sends its first turn (`agents.claude_window_limits`); when the second is larger, the
+    session as is may never outgrow it. Where the told agent's compaction threshold falls is
+    what it is: below the first turn on a window under the agent's reserves (then it compacts
+    at every call), above it on a larger one."""
+    count = count or _embedded_counter()
+    pastes = [count(p) for p in session_pastes(turns, paste_words)]
+    first_turn = first_tokens + pastes[0]
+    reserve = min(max_output, agents.CLAUDE_OUTPUT_RESERVE_CAP) + agents.CLAUDE_BLOCKING_BUFFER
+    window = max(first_tokens + sum(pastes[:-1]) + pastes[-1] // 2, first_turn + room + reserve)
+    window = -(-window // 256) * 256   # llama-server sizes its cache in steps of 256
+    return {**agents.claude_window_limits(window, max_output), "first_turn": first_turn,
+            "last_turn": first_tokens + sum(pastes), "paste_tokens": max(pastes)}
+
+
+def told_env(plan: dict[str, int]) -> dict[str, str]:
+    """The setting that gives the pinned Claude Code the server's window (see `agents`)."""
+    return {agents.CLAUDE_WINDOW_ENV: str(plan["window"])}
+
+
+def plan_sentence(plan: dict[str, int]) -> str:
+    """The window the session gets and where the told agent's limits fall, from `compaction_plan`."""
+    w, t, b, f = plan["window"], plan["compacts_above"], plan["refuses_above"], plan["first_turn"]
+    told = ("below the first turn: told, it refuses to send at all" if b < f else
+            "below the first turn: told, it compacts at every call" if t < f else
+            f"{t - f:,} tokens above the first turn: told, it compacts once the session has grown that much")
+    as_is = ("beyond the window: as is, the session outgrows the server in its last turn"
+             if plan["last_turn"] > w else "within the window: as is, the session does not outgrow this server")
+    return (f"The session's first turn is about {f:,} tokens; each turn pastes up to {plan['paste_tokens']:,}, and "
+            f"the last turn holds at least {plan['last_turn']:,}, {as_is}. The server's window: {w:,} tokens. Told "
+            f"it, with answers capped at {plan['max_output']:,}, this agent version refuses to send a prompt it counts "
+            f"over {b:,} tokens (its own count, which need not match the server's), and its compaction threshold is "
+            f"{t:,}, {told}.")
+
+
+KEPT_SHARE = 0.5   # a first message that keeps less of the one before than this was replaced, not grown
+
+
+def _refused_size(error: Any) -> float:
+    """The prompt size in llama-server's refusal ("request (N tokens) exceeds ..."), or NaN."""
+    import re
+    m = re.search(r"request \((\d+) tokens\)", error if isinstance(error, str) else "")
+    return float(m.group(1)) if m else float("nan")
+
+
+def _rewrites(gen: pd.DataFrame, out: str | Path) -> pd.DataFrame:
+    """Mark the calls that rewrote the history. A session only appends, so its first message
+    stays; a compaction replaces it (with the summary) and the messages hold fewer tokens than
+    the call before's. So: the first difference is system 0 (the billing header's suffix
+    follows the first message) or in message 0, keeping less than `KEPT_SHARE` of the first
+    message before it, and the messages shrink. A summary request that edits or drops only
+    later messages keeps the first one, and is not a rewrite."""
+    from infercourse.ops.agent_lab import anatomy
+    shape = {}
+    for a in anatomy(out):
+        kinds = [p["kind"] for p in a["parts"]]
+        first = kinds.index("message") if "message" in kinds else len(kinds)
+        shape[a["request_id"]] = (sum(p["tokens"] for p in a["parts"][:first]),
+                                  a["parts"][first]["tokens"] if first < len(kinds) else 0,
+                                  sum(p["tokens"] for p in a["parts"][first:]))
+    s = gen["request_id"].map(shape)
+    before_msgs, first_msg = s.map(lambda x: x[0] if isinstance(x, tuple) else float("nan")), \
+        s.map(lambda x: x[1] if isinstance(x, tuple) else float("nan"))
+    gen["message_tokens"] = s.map(lambda x: x[2] if isinstance(x, tuple) else float("nan"))
+    diff = gen["first_diff"].fillna("")
+    kept = gen.get("tokens_before_diff", pd.Series(float("nan"), index=gen.index)) - before_msgs
+    replaced = (diff == "system 0") | (diff.str.startswith("message 0 ") & (kept < KEPT_SHARE * first_msg.shift()))
+    gen["rewrote_history"] = replaced & (gen["message_tokens"] < gen["message_tokens"].shift())
+    return gen
+
+
+def session_view(out: str | Path) -> pd.DataFrame:
+    """One row per call of a growing session, and one per turn that sent none (status "not
+    sent"; `refused_by` "agent" when the agent judged it too long itself): how the turn ended
+    (ok, error, timeout: the task's time bound), prompt tokens (the server's usage, or the
+    count in its refusal), output, stop reason, the first part that differs from the call
+    before, who refused the call, whether it rewrote the history (a compaction, judged by the
+    request's structure, not its text: see `_rewrites`), the window the agent said it assumed,
+    and whether its log named a compaction query in that turn (it names one query source per
+    process, the first: True says it compacted first thing, False proves nothing)."""
+    calls, tasks = calls_table(out), tasks_table(out)
+    gen = calls[calls["api"] == "anthropic"].copy()
+    gen["prompt_tokens"] = gen["prompt_tokens"].fillna(gen["error"].map(_refused_size))
+    gen = _rewrites(gen, out)
+    gen["refused_by"] = gen["error"].fillna("").str.contains("exceeds the available context").map(
+        {True: "server", False: None})
+    rows = []
+    for _, t in tasks.iterrows():
+        windows, sources = t.get("assumed_context_window"), t.get("query_sources")
+        turn = {"turn": t["task"], "ended": {0: "ok", "timeout": "timeout"}.get(t["exit"], "error"),
+                "agent_window": max(windows.values()) if isinstance(windows, dict) and windows else float("nan"),
+                "compact_logged": isinstance(sources, list) and "compact" in sources}
+        c = gen[gen["task"] == t["task"]]
+        if not len(c):
+            rows.append({**turn, "status": "not sent",
+                         "refused_by": "agent" if t.get("terminal_reason") == "blocking_limit" else None})
+        for _, r in c.iterrows():
+            rows.append({**turn, **{k: r.get(k) for k in ("status", "prompt_tokens", "cached_tokens", "output_tokens",
+                                                          "stop_reason", "first_diff", "message_tokens",
+                                                          "rewrote_history", "refused_by")}})
+    return pd.DataFrame(rows)
+
+
+def _session_read(v: pd.DataFrame) -> dict[str, Any]:
+    """What one growing session showed, from `session_view`."""
+    sent = v[v["status"] != "not sent"].reset_index(drop=True)
+    by_server = sent[sent["refused_by"] == "server"]
+    rewrites = sent.index[sent["rewrote_history"].fillna(False).astype(bool)]
+    first = rewrites[0] if len(rewrites) else None
+    before = sent["prompt_tokens"].iloc[:first].dropna() if first is not None else pd.Series(dtype=float)
+    turns = v.drop_duplicates("turn")
+    return {"calls": len(sent), "largest": sent["prompt_tokens"].max(), "server_refused": len(by_server),
+            "first_refused": by_server["turn"].iloc[0] if len(by_server) else None,
+            "not_sent": int((v["refused_by"] == "agent").sum()), "timeouts": int((turns["ended"] == "timeout").sum()),
+            "rewrites": len(rewrites), "rewrite_turn": sent["turn"].iloc[first] if first is not None else None,
+            "rewrote_after_refusal": first is not None and len(by_server) > 0 and first > by_server.index[0],
+            "before": before.iloc[-1] if len(before) else float("nan"),
+            "after": sent["prompt_tokens"].iloc[first] if first is not None else float("nan"),
+            "window": v["agent_window"].max(), "compact_logged": list(turns.loc[turns["compact_logged"], "turn"])}
+
+
+def _session_clause(name: str, r: dict[str, Any]) -> str:
+    said = (f"the agent reported a window of {r['window']:,.0f} tokens" if r["window"] == r["window"]
+            else "the agent reported no window")
+    refused = (f"the server refused {r['server_refused']} of its {r['calls']} calls, the first in {r['first_refused']}"
+               if r["server_refused"] else f"the server refused none of its {r['calls']} calls")
+    if r["not_sent"]:
+        refused += f"; the agent refused to send {r['not_sent']} turn(s) itself"
+    if r["rewrites"]:
+        move = "dropped" if r["after"] < r["before"] else "did not drop"
+        hist = (f"it rewrote its history {r['rewrites']} time(s), first in {r['rewrite_turn']}, and the prompt {move}: "
+                f"{r['before']:,.0f} tokens on the call before, {r['after']:,.0f} on the rewritten call")
+    elif r["compact_logged"]:
+        hist = (f"it logged a compaction query in {', '.join(r['compact_logged'])}, but no call started from a "
+                f"summary: its history was never rewritten")
+    else:
+        hist = "its history was never rewritten"
+    bound = f"; {r['timeouts']} turn(s) hit the task's time bound" if r["timeouts"] else ""
+    return f"{name}, {said}: {refused}; {hist}; its largest prompt was {r['largest']:,.0f} tokens{bound}"
 
 
 def compaction_sentence(as_is: pd.DataFrame, told: pd.DataFrame, window: int) -> str:
-    """What the two growing sessions showed: turns answered, the first refusal, whether the
-    prompt ever shrank (the agent compacted), and the window the agent said it assumed."""
-    def read(v: pd.DataFrame) -> str:
-        n, ok = len(v), int((v["ended"] == "ok").sum())
-        refused = v.index[v["refused"] > 0]
-        first = f"first refusal at {v.loc[refused[0], 'turn']}" if len(refused) else "no refusal"
-        sizes = v["largest prompt"].tolist()
-        shrank = [v["turn"].iloc[i] for i in range(1, n) if sizes[i] < sizes[i - 1]]
-        grew = (f"the prompt shrank at {', '.join(map(str, shrank))} (compaction)" if shrank
-                else "the prompt never shrank")
-        assumed = v["agent's window"].dropna()
-        said = f"; the agent assumed a window of {assumed.max():,.0f} tokens" if len(assumed) else ""
-        return f"{ok} of {n} turns ended without an error, {first}, {grew}{said}"
-    return f"On a {window:,}-token server: as is, {read(as_is)}. Told the window: {read(told)}."
+    """What the two growing sessions (`session_view`s) showed on a `window`-token server: the
+    window each agent reported, the refusals (the server's, and the agent's own), whether and
+    where the history was rewritten and the prompt size around it, the turns cut by the time
+    bound, and what, from these, the run shows about compaction."""
+    a, t = _session_read(as_is), _session_read(told)
+    if t["rewrites"] and t["after"] < t["before"]:
+        verdict = "Told the window, the agent compacted" + (
+            f", and still the server refused {t['server_refused']} of its calls" if t["server_refused"]
+            else " and the server refused none of its calls") + (
+            "; as is, the server refused the session" + (", and the agent compacted only after that refusal."
+                                                          if a["rewrote_after_refusal"] else ".") if a["server_refused"] else
+            "; as is, the session never outgrew this server, so this run does not show a refusal that compaction prevented.")
+    elif t["compact_logged"]:
+        verdict = ("Told the window, the agent started compacting but did not finish a compaction in this run: "
+                   "no prompt drop to show.")
+    else:
+        verdict = ("Told the window, the agent did not compact in this run"
+                   + (" (it refused to send instead)" if t["not_sent"] else "") + ": no prompt drop to show.")
+    return f"On a {window:,}-token server. {_session_clause('As is', a)}. {_session_clause('Told the window', t)}. {verdict}"
 
 
 def doctor_on_fresh_server(ctx: int, capture: str | Path, *, threads: int = 1, model: str | None = None,

@@ -17,7 +17,9 @@ and everything it measured is in the run's folder when it returns, however it en
                      agents and versions, flags, the namespace's interfaces
     requests.jsonl   one line per call (a RequestTrace: `infercourse report` renders it)
     tasks.jsonl      one line per task: exit code, wall time, calls, evaluated tokens,
-                     what the agent's own JSON output says (turns, context window it assumed)
+                     what the agent's own JSON output says (turns, context window it assumed,
+                     why it stopped) and the query source it logged first ("compact": it
+                     began by compacting)
     anatomy.jsonl    per call: parts, tokens per part, the first part that differs
     bodies/, homes/  the request bodies and the agents' homes: vendor prompt text, kept in
                      the results folder, never committed
@@ -251,14 +253,31 @@ def _agent_json(stdout: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for d in docs:
         if d.get("type") == "result" or "modelUsage" in d:
+            # terminal_reason says why the agent stopped: "blocking_limit" is its own refusal to
+            # send a prompt it thinks too long for the window ("Prompt is too long"), no call made
             out.update(is_error=d.get("is_error"), num_turns=d.get("num_turns"), subtype=d.get("subtype"),
-                       result_preview=str(d.get("result", ""))[:200])
+                       terminal_reason=d.get("terminal_reason"), result_preview=str(d.get("result", ""))[:200])
             windows = {m: u.get("contextWindow") for m, u in (d.get("modelUsage") or {}).items()}
             out["assumed_context_window"] = windows
         if d.get("type") in ("turn.completed", "turn.failed", "error"):
             out["codex_last_event"] = d.get("type")
             out["codex_error"] = str((d.get("error") or {}).get("message", d.get("message", "")))[:300] or None
     return out
+
+
+def _query_sources(stderr: str) -> list[str]:
+    """The query sources Claude Code named on stderr for a model id it does not know
+    (`[claude-code:unrecognized_model] {"model": ..., "query_source": "compact"}`): "sdk" for
+    the task's own calls, "compact" for a summary of the history. Names only. The pinned
+    version warns once per process, so this is the source of its first query, not of all."""
+    found = set()
+    for line in stderr.splitlines():
+        if "unrecognized_model]" in line and "{" in line:
+            try:
+                found.add(str(json.loads(line[line.index("{"):]).get("query_source")))
+            except ValueError:
+                continue
+    return sorted(found)
 
 
 def _server(spec: LabSpec):
@@ -337,7 +356,7 @@ def child_main(spec_path: str) -> int:
                    "failed_calls": sum(c.status != "ok" for c in calls),
                    "prompt_tokens": sum(c.prompt_tokens or 0 for c in calls),
                    "evaluated_tokens": (after - before) if None not in (before, after) else None,
-                   "server_alive": srv.running, **_agent_json(stdout)}
+                   "server_alive": srv.running, "query_sources": _query_sources(stderr), **_agent_json(stdout)}
             with open(out / "tasks.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"task {task.label}: exit {rc}, {len(calls)} calls, {wall:.1f} s", flush=True)
