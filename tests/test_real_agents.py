@@ -188,7 +188,10 @@ def test_doctor_grades_flip_with_the_evidence():
 def test_doctor_fixes_follow_the_findings():
     checks = agent_doctor.grade_agent_route({**GOOD, "header_cached_tokens": 20}, SHAPE)
     env = json.loads(agent_doctor.fixes("claude-code", "http://127.0.0.1:8", GOOD, SHAPE, checks))["env"]
-    assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0" and env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "32768"
+    assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0" and env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "32768"
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in env       # read as >= 100k by the pinned client: no fix
+    cap = int(env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"])            # the first request stays under the compact line
+    assert cap == max(256, min(32000, 32768 - 13000 - int(SHAPE["prompt_tokens"])))
     assert int(env["API_TIMEOUT_MS"]) >= 600000
     clean = json.loads(agent_doctor.fixes("claude-code", "http://127.0.0.1:8", GOOD, SHAPE,
                                           agent_doctor.grade_agent_route(GOOD, SHAPE)))["env"]
@@ -498,7 +501,7 @@ def test_doctor_agent_cli_names_the_failing_layers_and_prints_settings(capsys):
     # the committed shape of the pinned Claude Code's first request does not fit 4096 tokens
     assert rc == 1 and "[fail] context" in out and "does not fit the slot (4096 tokens)" in out
     env = json.loads(out[out.index("{"):])["env"]
-    assert env["ANTHROPIC_BASE_URL"] == srv.url and env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "4096"
+    assert env["ANTHROPIC_BASE_URL"] == srv.url and env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "4096"
 
 
 def test_doctor_agent_cli_refuses_a_remote_url_before_any_traffic(capsys):

@@ -228,7 +228,7 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
           served_name: str | None = None) -> str:
     """The settings that fix what the checks found, with values from the probe: Claude
     Code's `env` block, or Codex's provider block."""
-    from infercourse.ops.agents import claude_settings, codex_config
+    from infercourse.ops.agents import CLAUDE_COMPACT_BUFFER, CLAUDE_WINDOW_ENV, claude_settings, codex_config
     n_ctx = ev.get("n_ctx_slot")
     rate = ev.get("prefill_tok_per_s")
     cold = int(shape["prompt_tokens"]) / rate if rate else None
@@ -242,8 +242,13 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
     if any(c.layer == "KV cache" and c.status == "fail" for c in checks):
         env["CLAUDE_CODE_ATTRIBUTION_HEADER"] = 0
     if n_ctx:
-        env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = n_ctx
-        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = max(256, min(32000, (n_ctx - int(shape["prompt_tokens"])) // 2))
+        # the pinned Claude Code takes its window from CLAUDE_CODE_MAX_CONTEXT_TOKENS (it reads an
+        # AUTO_COMPACT_WINDOW under 100k as 100k); it compacts past window - answer cap - 13,000, so
+        # the cap leaves the first request under that line where the window allows (else: 256, and
+        # it compacts at every call, which notebook 20 shows)
+        env[CLAUDE_WINDOW_ENV] = n_ctx
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = max(256, min(32000, n_ctx - CLAUDE_COMPACT_BUFFER
+                                                            - int(shape["prompt_tokens"])))
     return claude_settings(env)
 
 
