@@ -183,9 +183,14 @@ def test_kill_text_says_what_the_rows_and_counters_show():
 
 def test_router_counters_sum_the_prometheus_lines(tmp_path, monkeypatch):
     import httpx
-    log = tmp_path / "router.log"
-    log.write_text("$ python -m sglang_router.launch_router --prometheus-port 1111\n"
-                   "$ python -m sglang_router.launch_router --prometheus-port 2222\nstarted\n")
+
+    from infercourse.servers.router import Router
+    r = Router.__new__(Router)                     # argv() alone: no process is started
+    r.kind, r.policy, r.workers, r.retries, r.extra_args, r.port = "sglang", "round_robin", ["u"], 0, [], 9
+    r.argv()
+    first = r.prometheus_port
+    argv = r.argv()                                # a restart gets a new exporter port, remembered
+    assert argv[argv.index("--prometheus-port") + 1] == str(r.prometheus_port)
     text = ('# HELP x\nsmg_worker_retries_total{worker_type="regular",endpoint="chat"} 2\n'
             'smg_router_upstream_responses_total{router_type="http",status_code="200",error_code=""} 6\n'
             'smg_router_upstream_responses_total{router_type="http",status_code="500",error_code="x"} 1\n'
@@ -193,10 +198,10 @@ def test_router_counters_sum_the_prometheus_lines(tmp_path, monkeypatch):
             'smg_http_responses_total{status_code="500",error_code="x"} 1\n')
     asked = []
     monkeypatch.setattr(httpx, "get", lambda url, timeout: asked.append(url) or SimpleNamespace(text=text))
-    got = capacity.router_counters(SimpleNamespace(router=SimpleNamespace(log_path=log)))
-    assert asked == ["http://127.0.0.1:2222/metrics"]          # the last start's port
+    got = capacity.router_counters(SimpleNamespace(router=r))
+    assert asked == [f"http://127.0.0.1:{r.prometheus_port}/metrics"] and first is not None   # the last start's port
     assert got == {"retries": 2, "retries_exhausted": 0, "upstream_not_200": 1, "client_not_200": 1}
-    assert capacity.router_counters(SimpleNamespace(router=SimpleNamespace(log_path=tmp_path / "none"))) is None
+    assert capacity.router_counters(SimpleNamespace(router=SimpleNamespace())) is None
 
 
 # ---- notebook 21: the fastest route, only beyond both routes' A/A noise ------------------------------

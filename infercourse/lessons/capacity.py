@@ -452,15 +452,15 @@ def policy_prediction(routed: Mapping[str, Any]) -> float:
 def router_counters(group) -> dict[str, float] | None:
     """sglang-router's own counters, from its Prometheus exporter: retries on another
     worker, retries exhausted, upstream answers that were not 200, and non-200 answers it
-    gave its clients. The exporter's port is read from the router's command line (the last
-    `$ ...` line of its log). None: not an sglang-router, or the exporter did not answer."""
+    gave its clients, at the exporter port of the router's current start
+    (`Router.prometheus_port`). None: not an sglang-router, or the exporter did not answer."""
     import httpx
+    port = getattr(group.router, "prometheus_port", None)
+    if port is None:
+        return None
     try:
-        log = Path(group.router.log_path).read_text(errors="replace")
-        starts = [ln for ln in log.splitlines() if ln.startswith("$ ")]
-        port = re.findall(r"--prometheus-port (\d+)", starts[-1])[-1]
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    except (OSError, IndexError, httpx.HTTPError):
+    except httpx.HTTPError:
         return None
     out = {"retries": 0.0, "retries_exhausted": 0.0, "upstream_not_200": 0.0, "client_not_200": 0.0}
     for ln in text.splitlines():

@@ -86,9 +86,10 @@ class Router(Server):
         super().__init__(**kw)
 
     def argv(self) -> list[str]:
+        self.prometheus_port = free_port()   # its exporter (retries, error answers), this start's
         argv = [sys.executable, "-m", f"{ROUTERS[self.kind]}.launch_router", "--host", HOST,
                 "--port", self.port, "--worker-urls", *self.workers, "--policy", self.policy,
-                "--prometheus-host", HOST, "--prometheus-port", free_port(), "--log-level", "warn",
+                "--prometheus-host", HOST, "--prometheus-port", self.prometheus_port, "--log-level", "warn",
                 "--health-check-interval-secs", 1, "--worker-startup-check-interval", 1]
         argv += ["--disable-retries"] if not self.retries else ["--retry-max-retries", self.retries]
         return [str(a) for a in argv + self.extra_args]
