@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from infercourse.lessons import capacity, capstone
+from infercourse.lessons import capacity, capstone, routing
 from infercourse.lessons.capacity import measured_capacity
 from infercourse.measure.sessions import sessions_summary
 
@@ -133,18 +133,18 @@ def _policy_trials(ratio, blocks=4, spread=0.02, seed=0):
 
 
 def test_policy_text_flips_with_the_verdict_and_says_when_there_is_none():
-    ca = capacity.policy_text(capacity.judge_policies(_policy_trials(0.5)))
-    rr = capacity.policy_text(capacity.judge_policies(_policy_trials(2.0)))
-    same = capacity.policy_text(capacity.judge_policies(_policy_trials(1.0)))
+    ca = routing.policy_text(routing.judge_policies(_policy_trials(0.5)))
+    rr = routing.policy_text(routing.judge_policies(_policy_trials(2.0)))
+    same = routing.policy_text(routing.judge_policies(_policy_trials(1.0)))
     assert "cache_aware faster" in ca and "round_robin faster" not in ca
     assert "round_robin faster" in rr and "cache_aware faster" not in rr
     assert "within noise" in same and "faster," not in same
     assert "higher in 4 of 4 block(s)" in ca
-    one = capacity.judge_policies(_policy_trials(0.5, blocks=1))
+    one = routing.judge_policies(_policy_trials(0.5, blocks=1))
     assert one["verdict"] is None
-    text = capacity.policy_text(one)
+    text = routing.policy_text(one)
     assert "no A/A floor" in text and "cannot say" in text and "faster" not in text
-    two = capacity.policy_text(capacity.judge_policies(_policy_trials(0.5, blocks=2)))
+    two = routing.policy_text(routing.judge_policies(_policy_trials(0.5, blocks=2)))
     assert "can never pass" in two and "within noise" in two          # 2 blocks: the joint test needs 3
 
 
@@ -160,23 +160,23 @@ def _story(errors, retries, read=True):
              "router": {"retries": retries, "retries_exhausted": 0, "upstream_not_200": len(errors),
                         "client_not_200": len(errors)} if read else None}
     from collections import Counter
-    story["error_kinds"] = dict(Counter(capacity._error_kind(e) for e in errors))
+    story["error_kinds"] = dict(Counter(routing._error_kind(e) for e in errors))
     return story
 
 
 def test_kill_text_says_what_the_rows_and_counters_show():
     http = "server at 127.0.0.1:1 answered HTTP 500: error sending request"
     cut = "APILayerError: stream from 127.0.0.1:1 was cut mid-way (RemoteProtocolError: peer closed)"
-    passed = capacity.kill_text(_story([http], retries=0))
+    passed = routing.kill_text(_story([http], retries=0))
     assert "1 × HTTP 500 answer" in passed and "No request was retried" in passed and "retried 0" not in passed
-    both = capacity.kill_text(_story([cut, http], retries=1))
+    both = routing.kill_text(_story([cut, http], retries=1))
     assert "1 × stream cut after it had started" in both
     assert "The router retried 1 request(s), yet 2 failure(s)" in both
-    clean = capacity.kill_text(_story([], retries=2))
+    clean = routing.kill_text(_story([], retries=2))
     assert "No failure reached the client" in clean and "retried elsewhere" in clean
-    http_only = capacity.kill_text(_story([http], retries=2))
+    http_only = routing.kill_text(_story([http], retries=2))
     assert "error answer is what the router passes on" in http_only and "cannot be retried" not in http_only
-    blind = capacity.kill_text(_story([http], retries=0, read=False))
+    blind = routing.kill_text(_story([http], retries=0, read=False))
     assert "cannot show a retry" in blind and "No request was retried" not in blind
     assert "Every finished turn is on disk (5 of 5)" in passed
 
@@ -198,10 +198,10 @@ def test_router_counters_sum_the_prometheus_lines(tmp_path, monkeypatch):
             'smg_http_responses_total{status_code="500",error_code="x"} 1\n')
     asked = []
     monkeypatch.setattr(httpx, "get", lambda url, timeout: asked.append(url) or SimpleNamespace(text=text))
-    got = capacity.router_counters(SimpleNamespace(router=r))
+    got = routing.router_counters(SimpleNamespace(router=r))
     assert asked == [f"http://127.0.0.1:{r.prometheus_port}/metrics"] and first is not None   # the last start's port
     assert got == {"retries": 2, "retries_exhausted": 0, "upstream_not_200": 1, "client_not_200": 1}
-    assert capacity.router_counters(SimpleNamespace(router=SimpleNamespace())) is None
+    assert routing.router_counters(SimpleNamespace(router=SimpleNamespace())) is None
 
 
 # ---- notebook 21: the fastest route, only beyond both routes' A/A noise ------------------------------
@@ -268,8 +268,8 @@ def test_delay_text_flips_with_the_change():
 
 
 def test_policy_prediction_is_the_ratio_of_uncached_shares():
-    routed = capacity.judge_policies(_policy_trials(0.5))       # hit rates: round-robin 0.4, cache-aware 0.85
-    assert capacity.policy_prediction(routed) == pytest.approx(0.15 / 0.6)
+    routed = routing.judge_policies(_policy_trials(0.5))       # hit rates: round-robin 0.4, cache-aware 0.85
+    assert routing.policy_prediction(routed) == pytest.approx(0.15 / 0.6)
 
 
 def test_the_exercises_run_nothing_until_a_guess_is_written(capsys, monkeypatch):
