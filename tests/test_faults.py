@@ -78,3 +78,18 @@ def test_cli_lists_every_fault_with_its_layer():
                          text=True, timeout=120)
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert out.returncode == 0 and {r["fault"]: r["layer"] for r in rows} == {n: f.layer for n, f in FAULTS.items()}
+
+
+def test_what_the_client_saw_keeps_the_lines_after_the_first():
+    """A failed start appends its log's last lines to the message: they are kept in notes, the
+    first line stays the one-line client error."""
+    from infercourse.core.errors import ServerLayerError
+    from infercourse.ops.faults import Injected
+    inj = Injected(next(iter(FAULTS.values())), "http://127.0.0.1:1")
+    inj.saw(ServerLayerError("server exited (server layer). Last lines of x.log:\n\nfailed to allocate buffer for kv cache\nmain: exiting"))
+    assert inj.client_error.startswith("server exited") and inj.client_layer == "server"
+    lines = inj.notes["error_lines"]   # the error's str() appends its layer to the last line
+    assert len(lines) == 2 and lines[0] == "failed to allocate buffer for kv cache" and lines[1].startswith("main: exiting")
+    inj2 = Injected(next(iter(FAULTS.values())), "http://127.0.0.1:1")
+    inj2.saw(ServerLayerError("one line only"))
+    assert "error_lines" not in inj2.notes

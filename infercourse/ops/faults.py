@@ -115,7 +115,12 @@ class Injected:
         return doctor_layers(self.url, server=self.server, prompt=self.prompt, max_tokens=self.max_tokens, **kw)
 
     def saw(self, exc: InferCourseError) -> None:
-        self.client_error, self.client_layer = str(exc).splitlines()[0][:300], exc.layer
+        """Record what the client saw: the message's first line as `client_error`, and the lines
+        after it (a log tail a failed start appends, an error body) in notes["error_lines"]."""
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
+        self.client_error, self.client_layer = lines[0][:300], exc.layer
+        if len(lines) > 1:
+            self.notes["error_lines"] = [ln[:300] for ln in lines[1:21]]
 
 
 @contextlib.contextmanager
