@@ -92,10 +92,12 @@ class Task:
 class LabSpec:
     """A lab run: one server, its tasks, and where the results go.
 
-    `n_predict` is llama-server's `-n`: the output cap of a request that names none. Claude Code
-    always sends `max_tokens`, which wins; Codex sends none, so without a cap an answer the
-    agent has abandoned (its stream timeout fired) runs on to the end of the window, holding
-    the only slot while the agent's retries queue behind it."""
+    `n_predict` is llama-server's `-n`: the output cap of a request that names none, and the
+    ceiling of one that names more (the server cuts its `max_tokens` to it and logs "exceeds
+    server configuration"). Codex sends none, so without a cap an answer the agent has
+    abandoned (its stream timeout fired) runs on to the end of the window, holding the only
+    slot while the agent's retries queue behind it. None: no server cap, each call's own
+    `max_tokens` stands (Claude Code's 32,000 by default)."""
 
     out: str
     tasks: list[Task]
