@@ -45,7 +45,8 @@ def is_float(quant: Any) -> bool:
 
 def sign_test_p(k: int, n: int) -> float:
     """Two-sided sign test: the chance of a split at least as one-sided as k of n, when each
-    pair falls on either side with probability 1/2 (exact binomial)."""
+    pair falls on either side with probability 1/2 (exact binomial). Written out because it
+    is two lines of exact integer arithmetic; scipy (`binomtest`) is not a dependency."""
     if n <= 0:
         return 1.0
     m = max(k, n - k)
