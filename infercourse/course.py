@@ -163,6 +163,36 @@ def run_notebook(path: str | Path, out: str | Path = "build", *, timeout_s: int 
             "params": params}
 
 
+def run_claims(nb) -> list[str]:
+    """The sentences an executed notebook computed from its run: every markdown output of a
+    code cell (`Markdown(...)` fed by the library), in cell order. Fixed markdown cells are
+    not outputs, so they are never listed here."""
+    out = []
+    for i, cell in enumerate(nb.cells):
+        for o in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            text = (o.get("data") or {}).get("text/markdown") if o.get("output_type") in (
+                "display_data", "execute_result") else None
+            if text:
+                out.append(f"cell {i}: " + ("".join(text) if isinstance(text, list) else text).strip())
+    return out
+
+
+def write_claims(out: str | Path) -> Path:
+    """`<out>/claims.md`: per executed notebook in `<out>/notebooks`, what `run_claims` finds,
+    so a run's generated sentences can be read (and compared with another run's) in one file."""
+    import nbformat
+    out = Path(out)
+    lines = ["# What this run showed, notebook by notebook (sentences computed from its numbers)", ""]
+    for path in sorted((out / "notebooks").glob("*.ipynb")):
+        lines += [f"## {path.stem}", ""]
+        claims = run_claims(nbformat.read(path, as_version=4))
+        lines += [f"- {c}" for c in claims] if claims else ["(no computed sentences)"]
+        lines.append("")
+    dest = out / "claims.md"
+    dest.write_text("\n".join(lines), encoding="utf-8")
+    return dest
+
+
 def course_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="infercourse course",
                                  description="Execute every notebook in order, headless.")
@@ -205,8 +235,10 @@ def course_main(argv: list[str] | None = None) -> int:
     (Path(args.out) / "course_times.json").write_text(json.dumps(
         {"size": args.size, "params": given, "seconds": times, "total_s": round(total, 1),
          "load_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}, indent=1))
+    claims = write_claims(args.out)
     print(f"{len(todo) - len(failed)} notebook(s) in {int(total // 60)} min {int(total % 60)} s; "
-          f"executed notebooks and HTML are in {Path(args.out).resolve()}")
+          f"executed notebooks and HTML are in {Path(args.out).resolve()}; the sentences each computed "
+          f"from its run are in {claims.name}")
     if failed:
         print(f"{len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1

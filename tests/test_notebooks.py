@@ -87,3 +87,26 @@ def test_results_dir_is_new_on_every_run(tmp_path, monkeypatch):
             pass
     with pytest.raises(FileExistsError, match="set-up"):
         RunWriter(first / "np_sweep" / "np1-r0", manifest)
+
+
+def test_claims_file_lists_computed_sentences_only(tmp_path):
+    """`make course` writes build/claims.md: each notebook's markdown *outputs* (sentences the
+    library computed from the run), never its fixed markdown cells or plain prints."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+    from infercourse.course import run_claims, write_claims
+    nb = new_notebook(cells=[
+        new_markdown_cell("Fixed text: the mechanism."),
+        new_code_cell("x", outputs=[new_output("stream", name="stdout", text="a print\n")]),
+        new_code_cell("Markdown(s)", outputs=[new_output("execute_result", data={"text/markdown": "Decode ran **2.0×** prefill."},
+                                                         execution_count=1)]),
+        new_code_cell("display(Markdown(t))", outputs=[new_output("display_data", data={"text/markdown": "Within noise."})]),
+    ])
+    assert run_claims(nb) == ["cell 2: Decode ran **2.0×** prefill.", "cell 3: Within noise."]
+    (tmp_path / "notebooks").mkdir()
+    nbformat.write(nb, tmp_path / "notebooks" / "03_x.ipynb")
+    nbformat.write(new_notebook(cells=[new_markdown_cell("only fixed")]), tmp_path / "notebooks" / "04_y.ipynb")
+    text = write_claims(tmp_path).read_text(encoding="utf-8")
+    assert "## 03_x" in text and "- cell 3: Within noise." in text and "a print" not in text
+    assert "## 04_y\n\n(no computed sentences)" in text and "Fixed text" not in text
