@@ -118,3 +118,33 @@ def test_run_agent_loop_records_each_call(llamacpp_engine):
     if len(df) == 2:  # the model made a tool call: the second prompt re-sends the first
         assert df["prompt_tokens"].iloc[1] > df["prompt_tokens"].iloc[0]
         assert df["cached_tokens"].iloc[1] >= df["prompt_tokens"].iloc[0] - 1
+
+
+def test_session_with_extra_calls_repeats_the_last_tool_step(session):
+    assert agent.session_with_extra_calls(0)["messages"] == session["messages"]   # the recorded run, rebuilt
+    k = 2
+    more = agent.session_with_extra_calls(k)
+    assert len(more["calls"]) == len(session["calls"]) + k
+    step = session["messages"][-3:-1]          # the last tool call and its result, before the final answer
+    assert more["messages"] == session["messages"][:-1] + step * k + session["messages"][-1:]
+    # the solution's arithmetic: k more calls send k x the final context, plus the steps they carry
+    before, after = (agent.session_stats(s, fake_prompt_tokens) for s in (session, more))
+    last, added = before["prompt_tokens"].iloc[-1], before["new_tokens"].iloc[-1]
+    assert after["prompt_tokens"].sum() - before["prompt_tokens"].sum() == k * last + added * k * (k + 1) // 2
+    with pytest.raises(ValueError, match="n_extra"):
+        agent.session_with_extra_calls(-1)
+
+
+def test_cold_call_rejects_a_call_the_session_lacks(session):
+    with pytest.raises(ValueError, match="call must be"):
+        agent.cold_call(object(), session, len(session["calls"]))
+
+
+@pytest.mark.slow
+def test_cold_call_prefills_the_whole_prompt_even_after_a_cached_one(llamacpp_engine, tmp_path):
+    sess = mini_session()
+    agent.replay_prefill(llamacpp_engine, sess, 3, cache_prompt=True, max_tokens=2,
+                         results_root=tmp_path)   # leaves calls 0-2 cached
+    r = agent.cold_call(llamacpp_engine, sess, 2, max_tokens=2)
+    full = len(llamacpp_engine.prompt_tokens(agent._requests(sess)[2]))
+    assert r["call"] == 2 and r["prompt_tokens"] == r["prompt_n"] == full and r["ttft_s"] > 0

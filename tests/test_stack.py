@@ -125,3 +125,26 @@ def test_draw_stack_labels_every_layer_and_notebook(tmp_path):
     assert {name for name, _, _ in STACK} <= texts
     assert {nb for _, _, nbs in STACK for nb in nbs} | set(WALK) <= texts
     assert (tmp_path / "stack.png").stat().st_size > 10_000
+
+
+def test_timed_answer_needs_exactly_one_prompt():
+    from infercourse.lessons.stack import timed_answer
+    with pytest.raises(ValueError, match="either prompt or n_prompt_tokens"):
+        timed_answer()
+    with pytest.raises(ValueError, match="either prompt or n_prompt_tokens"):
+        timed_answer("hi", n_prompt_tokens=40)
+
+
+@pytest.mark.slow
+def test_timed_answer_forces_the_length_and_counts_the_prompt_it_sent(llamacpp_engine):
+    from infercourse.lessons.stack import timed_answer
+    r = timed_answer(n_prompt_tokens=40, max_tokens=3, repeats=1)
+    assert r["prompt_tokens"] == 40 and r["completion_tokens"] == 3     # exact-length raw prompt, forced answer
+    assert 0 < r["ttft_s"] <= r["e2e_s"]
+    q, system = "What is a GPU?", "Be brief."
+    plain = timed_answer(q, max_tokens=1, repeats=1)
+    with_system = timed_answer(q, system=system, max_tokens=1, repeats=1)
+    assert with_system["prompt_tokens"] == len(llamacpp_engine.prompt_tokens(
+        [{"role": "system", "content": system}, {"role": "user", "content": q}]))
+    # SmolLM2's template writes its default system message only when none is sent: a short one replaces it
+    assert with_system["prompt_tokens"] < plain["prompt_tokens"]

@@ -15,6 +15,8 @@ session (`workloads.build_agentic_session`) and replays it through a real engine
   running totals of prefill work with and without a prefix cache.
 - `context_composition`: per call, how many tokens each kind of message contributes.
 - `replay_prefill`: replay the first calls through an engine with the cache off or on.
+- `cold_call`: one call alone with nothing cached, timed (its whole prompt is prefilled).
+- `session_with_extra_calls`: the same task with more turns, tools really run.
 - `run_agent`: a tiny live agent loop with a real model and the session's real tools.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from infercourse.measure.results import new_run_dir
 from infercourse.measure.workloads import common_prefix_len
 
 __all__ = ["session_stats", "prefill_summary", "context_composition",
-           "replay_prefill", "parse_tool_call", "run_agent"]
+           "replay_prefill", "cold_call", "session_with_extra_calls", "parse_tool_call", "run_agent"]
 
 
 def _requests(session: dict) -> list[Request]:
@@ -148,6 +150,54 @@ def replay_prefill(engine, session: dict, n_calls: int, *, cache_prompt: bool, m
     df["cache_prompt"] = cache_prompt
     df["prompt_n"] = [tr.engine_timings.get("prompt_n") for tr in res.traces]
     return df
+
+
+def cold_call(engine, session: dict, call: int, *, max_tokens: int = 4) -> dict[str, Any]:
+    """Send one call of a recorded session alone, with nothing cached, and time it: its
+    whole prompt is prefilled, as on every call without a prefix cache.
+
+    Args:
+        engine: any engine; `cache_prompt=False` makes llama.cpp and llama-server forget
+            the previous request first.
+        session: a recorded session dict (data/agentic_session.json).
+        call: which call (0-based); later calls carry longer prompts.
+        max_tokens: output tokens (forced with ignore_eos), so the time is mostly prefill.
+
+    Returns {"call", "prompt_tokens", "prompt_n" (tokens the engine says it evaluated),
+    "ttft_s"}.
+    """
+    from infercourse.core import metrics
+    from infercourse.core.trace import record
+    reqs = _requests(session)
+    if not 0 <= call < len(reqs):
+        raise ValueError(f"call must be between 0 and {len(reqs) - 1}, got {call}")
+    req = replace(reqs[call], max_tokens=max_tokens, cache_prompt=False, ignore_eos=True)
+    tr = record(engine, req, raise_errors=True)
+    return {"call": call, "prompt_tokens": tr.prompt_tokens, "prompt_n": tr.engine_timings.get("prompt_n"),
+            "ttft_s": metrics.ttft_s(tr)}
+
+
+def session_with_extra_calls(n_extra: int, *, plan_path: str | Path | None = None) -> dict:
+    """The recorded task run again with its last tool step done `n_extra` more times before
+    the final answer (one more run of the test suite, say). Tools really run, through
+    `workloads.build_agentic_session`, and each extra call re-sends the whole conversation.
+
+    Args:
+        n_extra: extra calls (0 rebuilds the recorded session).
+        plan_path: the scripted plan (default data/agentic_plan.json); its last tool step
+            must be repeatable (a read, a grep or a test run, not an edit).
+    """
+    from infercourse.measure.workloads import DATA_DIR, build_agentic_session
+    if n_extra < 0:
+        raise ValueError(f"n_extra must be >= 0, got {n_extra}")
+    plan = json.loads(Path(plan_path or DATA_DIR / "agentic_plan.json").read_text())
+    steps = plan["steps"]
+    last = max(i for i, (_, tool, _) in enumerate(steps) if tool is not None)
+    plan["steps"] = steps[:last + 1] + [steps[last]] * n_extra + steps[last + 1:]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        path.write_text(json.dumps(plan))
+        return build_agentic_session(path)
 
 
 _CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)

@@ -13,6 +13,8 @@ events (SSE) that come back, and `LlamaServer.argv()` the literal server command
 `weights_read` says how many bytes of weights each engine streams per decoded token (the
 same model is 4-bit in llama.cpp but float32 in transformers), so every engine gets its
 own bandwidth ceiling. `draw_stack` draws the layers with the notebooks that measure each.
+`timed_answer` times one llama.cpp request with one setting changed (threads, prompt or
+answer length, a system message), for the exercises that predict before they measure.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from infercourse.core.types import Request, generate
 from infercourse.core.trace import record
 
 __all__ = ["LAYERS", "TOOLS", "STACK", "WALK", "tools_frame", "first_answers", "through_layers",
-           "weights_read", "raw_exchange", "draw_stack", "plot_engine_speeds"]
+           "weights_read", "raw_exchange", "draw_stack", "plot_engine_speeds", "timed_answer"]
 
 LAYERS = ["API", "server", "engine", "runtime", "backend", "model manager"]
 
@@ -152,6 +154,45 @@ def through_layers(prompt: str, *, max_tokens: int = 32, repeats: int = 3, n_thr
         rows += [{"layer": "server + API (llama-server over HTTP)", **_timed(http, req)}
                  for _ in range(repeats)]
     return pd.DataFrame(rows)
+
+
+def timed_answer(prompt: str | None = None, *, n_prompt_tokens: int | None = None,
+                 system: str | None = None, model=None, n_threads: int = 1, max_tokens: int = 32,
+                 repeats: int = 3) -> dict[str, float]:
+    """One greedy request to llama.cpp in process, timed `repeats` times after a warm-up:
+    the median `ttft_s`, `decode_tok_per_s`, `e2e_s`, `prompt_tokens` and `completion_tokens`.
+
+    The answer is forced to `max_tokens` (ignore_eos) and the prefix cache is off, so every
+    repeat pays the whole prompt and generates the same number of tokens: the exercises'
+    one changed setting (threads, answer length, prompt length, a system message) is the
+    only difference from the notebook's own measurement.
+
+    Args:
+        prompt: the user message, chat template applied (as in `first_answers`).
+        n_prompt_tokens: instead of `prompt`, a raw prompt (no template) of exactly this
+            many tokens (`workloads.exact_length_prompt`).
+        system: a system message sent before `prompt` (a template with a default system
+            prompt, like SmolLM2's, then leaves its own out).
+        model: None for the embedded GGUF, or a .gguf path.
+        n_threads: CPU threads of the engine.
+        max_tokens: tokens generated per request (forced).
+        repeats: timed requests after the warm-up.
+    """
+    from infercourse.engines.llamacpp import LlamaCppEngine
+    from infercourse.measure.workloads import exact_length_prompt
+    if (prompt is None) == (n_prompt_tokens is None):
+        raise ValueError("give either prompt or n_prompt_tokens")
+    engine = LlamaCppEngine(model, n_threads=n_threads, n_ctx=max(2048, (n_prompt_tokens or 0) + max_tokens + 8))
+    opts = dict(max_tokens=max_tokens, ignore_eos=True, cache_prompt=False)
+    if n_prompt_tokens is not None:
+        req = Request(prompt=exact_length_prompt(n_prompt_tokens, engine.tokenize), **opts)
+    else:
+        msgs = [{"role": "system", "content": system}] if system else []
+        req = Request(messages=msgs + [{"role": "user", "content": prompt}], **opts)
+    _timed(engine, req)  # warm-up: the first call pays page-in of the weights
+    rows = pd.DataFrame([_timed(engine, req) for _ in range(repeats)])
+    cols = ["ttft_s", "decode_tok_per_s", "e2e_s", "prompt_tokens", "completion_tokens"]
+    return {c: float(pd.to_numeric(rows[c], errors="coerce").median()) for c in cols}
 
 
 def engine_factories(names: list[str], *, model=None, n_threads: int = 1,
