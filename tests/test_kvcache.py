@@ -147,3 +147,38 @@ def test_explain_loops_flips_with_the_numbers():
     assert "*not less* than the 1.5×" in text
     text = kvcache.explain_loops(_loop_rows(cached, naive), work_ratio=5.0)
     assert "naive loop's step time stayed **flat**" in text and "cached loop's **climbed**" in text
+
+
+class _SleepyModel:
+    """Stands in for a causal LM: sleeps a fixed time per position it is given (a lower
+    bound on any machine) and returns zero logits."""
+
+    def __init__(self, s_per_position):
+        self.s = s_per_position
+
+    def __call__(self, ids, **kw):
+        import time
+        import torch
+        from types import SimpleNamespace
+        time.sleep(self.s * ids.shape[1])
+        return SimpleNamespace(logits=torch.zeros((1, 1, 8)))
+
+
+def test_loop_seconds_times_the_whole_loop():
+    torch = pytest.importorskip("torch")
+    ids = torch.zeros((1, 10), dtype=torch.long)
+    t = kvcache.loop_seconds(_SleepyModel(1e-3), ids, 5)
+    # every step's positions were slept through: 10 + 11 + 12 + 13 + 14 of them
+    assert t >= 1e-3 * kvcache.tokens_processed(10, 5, cached=False)
+    model, _ = _tiny_model(0)
+    assert kvcache.loop_seconds(model, torch.randint(0, 256, (1, 8)), 4, cached=True) > 0
+
+
+@pytest.mark.slow
+def test_state_bytes_lies_on_the_measured_line(llamacpp_engine):
+    from infercourse.core.errors import ContextLayerError
+    m = kvcache.state_kv_bytes_per_token(llamacpp_engine, (16, 80))
+    got = kvcache.state_bytes(llamacpp_engine, 144)
+    assert got == pytest.approx(m["state_bytes"][1] + m["kv_bytes_per_token"] * (144 - 80), rel=1e-6)
+    with pytest.raises(ContextLayerError):
+        kvcache.state_bytes(llamacpp_engine, 10**6)

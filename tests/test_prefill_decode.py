@@ -118,3 +118,36 @@ def test_bound_follows_the_balance_point():
     assert sweeps.bound(card, 1, balance=10.0) == "bandwidth-bound"
     assert sweeps.bound(card, 1, balance=3.0) == "compute-bound"
     assert sweeps.bound(card, 256, balance=10.0) == "compute-bound"
+
+
+class ShapeRecorder(FakeEngine):
+    """FakeEngine that also records each request's output length."""
+
+    def stream(self, request):
+        self.max_tokens = getattr(self, "max_tokens", []) + [request.max_tokens]
+        yield from super().stream(request)
+
+
+class SmallContext(FakeEngine):
+    flags = {"n_ctx": 100}
+
+
+def test_ttft_at_sends_one_output_token_and_checks_the_context(tmp_path):
+    from infercourse.core.errors import ContextLayerError
+    eng = ShapeRecorder()
+    t = sweeps.ttft_at(eng, 200, results_root=tmp_path)
+    assert len(eng.seen) == 2 and eng.seen[-1][0] == 200 and eng.max_tokens == [1, 1]   # warm-up + measured
+    assert t >= 200 * PREFILL_S_PER_TOKEN        # a sleep never ends early: a lower bound only
+    with pytest.raises(ContextLayerError, match="n_ctx=100"):
+        sweeps.ttft_at(SmallContext(), 100)      # 100 prompt + 1 output token
+    assert sweeps.ttft_at(SmallContext(), 99, results_root=tmp_path) > 0
+
+
+def test_e2e_at_covers_prefill_and_every_decode_step(tmp_path):
+    from infercourse.core.errors import ContextLayerError
+    eng = ShapeRecorder()
+    e = sweeps.e2e_at(eng, 50, 10, results_root=tmp_path)
+    assert eng.max_tokens == [10, 10]
+    assert e >= 50 * PREFILL_S_PER_TOKEN + 9 * DECODE_S     # TTFT plus nine more steps, at least
+    with pytest.raises(ContextLayerError):
+        sweeps.e2e_at(SmallContext(), 95, 10)

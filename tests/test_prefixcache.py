@@ -129,3 +129,62 @@ def test_cache_loss_sentence_follows_the_counts():
     assert "fell from **500** to **20**" in pc.cache_loss_sentence("timestamp", 500, 20, 19)
     assert "stayed at **500**" in pc.cache_loss_sentence("same", 500, 500, 510)
     assert "rose" in pc.cache_loss_sentence("longer", 500, 600, 610)
+
+
+def test_with_pasted_text_grows_only_the_part_after_the_prefix():
+    words = str.split    # a whitespace tokenizer: one token per word, no BOS
+    reqs = small_workload(3)
+    out = pc.with_pasted_text(reqs, 40, words)
+    for r, o in zip(reqs, out):
+        assert o.messages[0] == r.messages[0]                          # the shared system prompt
+        old, new = r.messages[-1]["content"], o.messages[-1]["content"]
+        assert new.startswith(old) and len(words(new)) == len(words(old)) + 40
+    pasted = [o.messages[-1]["content"] for o in out]
+    assert len(set(p.split(":", 1)[1][25:] for p in pasted)) == 3       # each task pastes its own text
+    assert pc.with_pasted_text(reqs, 0, words) == reqs
+
+
+def test_first_vs_rest_reads_the_first_request_by_index():
+    import pandas as pd
+    df = pd.DataFrame({"req_index": [2, 0, 1], "ttft_s": [0.2, 1.0, 0.3]})
+    assert pc.first_vs_rest(df) == pytest.approx(1.0 / 0.25)
+    with pytest.raises(ValueError):
+        pc.first_vs_rest(df.head(1))
+
+
+class OneSequenceEngine:
+    """Keeps only the previous request's system prompt, like llama.cpp in process: a request
+    whose system prompt differs from the previous one's sleeps (a cold prefill)."""
+
+    name = "fake"
+
+    def __init__(self, cold_s=0.05):
+        self.cold_s, self.last, self.seen = cold_s, None, []
+
+    def stream(self, request):
+        import time
+        from infercourse.core.types import Event, Usage
+        system = request.messages[0]["content"]
+        self.seen.append(system)
+        warm, self.last = system == self.last, system
+        if not warm:
+            time.sleep(self.cold_s)
+        yield Event(t=time.perf_counter(), text="x", n_tokens=1)
+        yield Event(t=time.perf_counter(), done=True, finish_reason="length",
+                    usage=Usage(100, 1, cached_tokens=90 if warm else 0, source="engine"))
+
+    def describe(self):
+        return {"engine": self.name}
+
+
+def test_interleaved_requests_meet_another_users_prefix(tmp_path):
+    eng = OneSequenceEngine()
+    a, b = small_workload(3), small_workload(2, lambda i: f"Time: 10:00:{i:02d}\n")
+    t = pc.interleaved_ttft_s(eng, a, b, results_root=tmp_path)
+    kinds = ["b" if s.split("\n", 1)[-1].startswith("Time") else "a" for s in eng.seen[1:]]  # after the warm-up
+    assert kinds == ["a", "b", "a", "b", "a"]
+    assert t >= eng.cold_s          # tasks 2 and 3 each came after the other user's prompt
+    with pytest.raises(ValueError):
+        pc.interleaved_ttft_s(eng, a, b[:1])
+    # the same tasks back to back: the warm ones are reported (a number, from the warm rows only)
+    assert pc.warm_ttft_s(eng, a, results_root=tmp_path) > 0

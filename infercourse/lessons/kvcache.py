@@ -20,6 +20,8 @@ transformers and as `past_key_values=` in older releases and most tutorials
 `state_kv_bytes_per_token` measures what llama.cpp really stores: its state snapshot
 (`llama_state_get_size`) serializes the KV cells in use, so its growth per evaluated token
 is the engine's KV bytes per token. `kv_table` scales the formula to published models.
+`loop_seconds` and `state_bytes` re-measure one loop or one state size with one setting
+changed, for the exercises that predict a number first.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from infercourse import compat
 from infercourse.models.modelcard import kv_bytes_per_token
 
 __all__ = ["naive_decode", "cached_decode", "cache_keyword", "run_loops", "tokens_processed", "step_trend",
-           "explain_loops",
+           "explain_loops", "loop_seconds", "state_bytes",
            "kv_bytes_per_token", "hf_cache_bytes", "state_kv_bytes_per_token", "PUBLISHED_CONFIGS", "kv_table", "DTYPE_BYTES"]
 
 
@@ -192,6 +194,24 @@ def explain_loops(steps, work_ratio: float) -> str:
                   "read of the weights, set the time.")
 
 
+def loop_seconds(model, input_ids, n_new: int, *, cached: bool = False) -> float:
+    """Seconds one decode loop takes from its start to its last token (`naive_decode`, or
+    `cached_decode` with `cached=True`), stamped by the recorder `run_loops` uses.
+
+    Args:
+        model: a transformers causal LM.
+        input_ids: prompt ids, (1, n) LongTensor.
+        n_new: tokens to generate.
+        cached: which loop.
+    """
+    from infercourse.core.trace import record_stream
+    from infercourse.core.types import Event
+    loop = cached_decode if cached else naive_decode
+    tr = record_stream((Event(t=time.perf_counter(), n_tokens=1, text=f"{tok} ")
+                        for tok in loop(model, input_ids, n_new)), raise_errors=True)
+    return float(tr.chunk_t[-1] - tr.sent_t)
+
+
 # -- what the cache costs --------------------------------------------------------------------
 DTYPE_BYTES = {"f32": 4, "f16/bf16": 2, "fp8/q8_0": 1, "q4_0": 0.5}  # q8_0 is ~1.06 with scales
 
@@ -237,6 +257,28 @@ def state_kv_bytes_per_token(engine, n_tokens: tuple[int, int] = (32, 288)) -> d
     engine.reset()
     return {"tokens": (a, b), "state_bytes": (sizes[a], sizes[b]),
             "kv_bytes_per_token": (sizes[b] - sizes[a]) / (b - a)}
+
+
+def state_bytes(engine, n_tokens: int) -> int:
+    """Bytes of llama.cpp's state snapshot (`llama_state_get_size`) after evaluating one
+    exact-length prompt of `n_tokens` from an empty cache: the fixed part plus the KV cells
+    in use (the same measurement `state_kv_bytes_per_token` makes at two lengths).
+
+    Args:
+        engine: a `LlamaCppEngine` (its cache is reset before and after).
+        n_tokens: prompt length; it must fit the context window.
+    """
+    from infercourse.core.errors import ContextLayerError
+    from infercourse.measure.workloads import exact_length_prompt
+    import llama_cpp as lc
+    llm = engine.llm
+    if not 1 < n_tokens <= llm.n_ctx():
+        raise ContextLayerError(f"need 1 < n_tokens <= n_ctx {llm.n_ctx()}, got {n_tokens}")
+    engine.reset()
+    llm.eval(engine.tokenize(exact_length_prompt(n_tokens, engine.tokenize, seed=n_tokens)))
+    size = int(lc.llama_state_get_size(compat.llama_context_ptr(llm)))
+    engine.reset()
+    return size
 
 
 # Published configurations, each copied from the model's own config.json on Hugging Face

@@ -12,7 +12,9 @@ point is FLOP/s / (bytes/s); a phase whose intensity is below it waits on memory
 
 `prefill_sweep` sends exact-length prompts (a fixed token count, re-tokenized to check)
 through `bench.run`, so warm-up, forced output length and result files are the bench's;
-each row also carries the engine's own prefill/decode timings for comparison.
+each row also carries the engine's own prefill/decode timings for comparison. `ttft_at` and
+`e2e_at` re-run one point of it with one setting changed (a longer prompt, a longer answer),
+for the exercises that predict a number before measuring it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import pandas as pd
 
 from infercourse.measure import bench
 from infercourse.core import reconcile
+from infercourse.core.errors import ContextLayerError
 from infercourse.measure import roofline
 from infercourse.measure.claims import trend_sentence
 from infercourse.core.types import Request
@@ -30,7 +33,8 @@ from infercourse.core.types import Request
 from infercourse.measure.results import new_run_dir
 from infercourse.measure.workloads import exact_length_prompt, local_tokenizer
 
-__all__ = ["length_requests", "prefill_sweep", "timeline", "measure_ceilings", "bound", "explain_phases"]
+__all__ = ["length_requests", "prefill_sweep", "timeline", "measure_ceilings", "bound", "explain_phases",
+           "ttft_at", "e2e_at"]
 
 
 def length_requests(engine, lengths: Sequence[int], *, max_tokens: int = 32, repeats: int = 1,
@@ -174,3 +178,45 @@ def explain_phases(df: pd.DataFrame, *, slope_s: float, prefill_ceiling: float,
         + trend_sentence([lo, hi], [dec[lo], dec[hi]], floor, what="Decode speed", x_name="context"),
         f"- One decode step takes **{1e3 / dec[lo]:.1f} ms** for one token; prefill handles a token in "
         f"**{1e3 / pre[hi]:.2f} ms**: {which}"])
+
+
+# -- one point again, with one setting changed (the predict-then-measure exercises) ---------------
+def _fits(engine, prompt_tokens: int, max_tokens: int) -> None:
+    n_ctx = (getattr(engine, "flags", None) or {}).get("n_ctx")
+    if n_ctx and prompt_tokens + max_tokens > n_ctx:
+        raise ContextLayerError(f"{prompt_tokens} prompt + {max_tokens} output tokens do not fit n_ctx={n_ctx}",
+                                hint="ask for fewer tokens, or build the engine with a larger n_ctx")
+
+
+def ttft_at(engine, n_tokens: int, *, repeats: int = 1, results_root: str | Path | None = None) -> float:
+    """Median client TTFT (s) of `repeats` exact-length prompts of `n_tokens`, cache off, one
+    output token each (TTFT needs no more), after `prefill_sweep`'s warm-up request.
+
+    Args:
+        engine: the engine the sweep ran on.
+        n_tokens: prompt length in tokens; with its first output token it must fit n_ctx.
+        repeats: prompts measured (different word orders).
+        results_root: folder to save the run under.
+    """
+    _fits(engine, n_tokens, 1)
+    df = prefill_sweep(engine, [n_tokens], max_tokens=1, repeats=repeats, results_root=results_root,
+                       label=f"ttft-{n_tokens}")
+    return float(df["ttft_s"].median())
+
+
+def e2e_at(engine, prompt_tokens: int, max_tokens: int, *, repeats: int = 1,
+           results_root: str | Path | None = None) -> float:
+    """Median end-to-end time (s, send to last token) of `repeats` requests of an exact-length
+    prompt forced to `max_tokens` output tokens: one request shape, both phases.
+
+    Args:
+        engine: the engine the sweep ran on.
+        prompt_tokens: prompt length in tokens.
+        max_tokens: forced output tokens (prompt + output must fit n_ctx).
+        repeats: requests measured (different prompts).
+        results_root: folder to save the run under.
+    """
+    _fits(engine, prompt_tokens, max_tokens)
+    df = prefill_sweep(engine, [prompt_tokens], max_tokens=max_tokens, repeats=repeats,
+                       results_root=results_root, label=f"e2e-{prompt_tokens}-{max_tokens}")
+    return float(df["e2e_s"].median())

@@ -20,6 +20,8 @@ a hit: llama.cpp's `prompt_n` (tokens evaluated), llama-server's `cached_tokens`
 - `cold_warm`: one workload with the cache off, then on; TTFT and cached tokens per request.
 - `first_divergence` / `divergence_view`: where two prompts stop sharing tokens.
 - `prometheus_counters` / `counter_delta`: read a server's counters before and after a run.
+- `with_pasted_text`, `warm_ttft_s`, `interleaved_ttft_s`, `first_vs_rest`: one setting changed
+  (a longer new part, another user's prompt in between), for the exercises that predict first.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ from infercourse.measure.workloads import common_prefix_len
 
 __all__ = ["VLLM_PREFIX_COUNTERS", "LLAMA_SERVER_COUNTERS", "first_divergence", "divergence_view",
            "cold_warm", "cold_warm_summary", "cold_warm_sentence", "cache_loss_sentence", "prometheus_counters",
-           "counter_delta", "run_with_counters", "hit_rate"]
+           "counter_delta", "run_with_counters", "hit_rate", "with_pasted_text", "warm_ttft_s",
+           "interleaved_ttft_s", "first_vs_rest"]
 
 # Counters as vLLM (v1 engine) declares them; on the wire each gets a `_total` suffix.
 VLLM_PREFIX_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
@@ -243,3 +246,70 @@ def hit_rate(delta: dict[str, float], hits: str = VLLM_PREFIX_COUNTERS[1],
     """Share of queried prompt tokens served from the prefix cache (None: no queries)."""
     q = delta.get(queries, 0.0)
     return delta.get(hits, 0.0) / q if q else None
+
+
+# -- one setting changed (the predict-then-measure exercises) ------------------------------------
+def with_pasted_text(workload, n_tokens: int, tokenize, *, seed: int = 0) -> list[Request]:
+    """The workload's requests, each last message followed by its own `n_tokens` of unrelated
+    text (a pasted log, say): the shared prefix stays, the part after it grows.
+
+    Args:
+        workload: a `workloads.Workload` or a list of chat Requests.
+        n_tokens: tokens of pasted text per request (as `tokenize` counts them; 0: unchanged).
+        tokenize: text -> token ids, e.g. `engine.tokenize`.
+    """
+    from infercourse.measure.workloads import exact_length_prompt
+    reqs = list(getattr(workload, "requests", workload))
+    if n_tokens <= 0:
+        return reqs
+    base = len(tokenize(""))   # a BOS the tokenizer adds to any text is not pasted
+    out = []
+    for i, r in enumerate(reqs):
+        text = exact_length_prompt(n_tokens + base, tokenize, seed=seed + 7919 * (i + 1))
+        *head, last = r.messages
+        out.append(replace(r, messages=[*head, {**last, "content": f"{last['content']}\n\n{text}"}]))
+    return out
+
+
+def warm_ttft_s(engine, requests, *, label: str = "warm", results_root: str | Path | None = None) -> float:
+    """Median TTFT (s) of the warm requests when `requests` run back to back with the cache on
+    (`cold_warm` with one setting): NaN if none came out warm.
+
+    Args:
+        engine: an in-process engine or an HTTP one that reports cached tokens.
+        requests: a Workload or a list of Requests sharing a prefix.
+        label, results_root: as in `cold_warm`.
+    """
+    df = cold_warm(engine, requests, settings=(True,), label=label, results_root=results_root)
+    warm = df[df["state"] == "warm"]["ttft_s"]
+    return float(warm.median()) if len(warm) else float("nan")
+
+
+def interleaved_ttft_s(engine, workload, other, *, label: str = "interleaved",
+                       results_root: str | Path | None = None) -> float:
+    """Median TTFT (s) of the workload's requests after its first when one request of `other`
+    (another user's prompt) runs between each two of them, cache on, back to back. An engine
+    that keeps only the previous request's prefix meets each of them after the other user's.
+
+    Args:
+        engine: an in-process engine (or a server with one slot).
+        workload: the requests sharing a prefix (a Workload or a list).
+        other: as many requests (or more) with another prefix.
+    """
+    a, b = list(getattr(workload, "requests", workload)), list(getattr(other, "requests", other))
+    if len(a) < 2 or len(b) < len(a) - 1:
+        raise ValueError(f"need >= 2 workload requests and one other request between each two, "
+                         f"got {len(a)} and {len(b)}")
+    seq = [a[0]] + [r for pair in zip(b, a[1:]) for r in pair]
+    df = cold_warm(engine, seq, settings=(True,), label=label, results_root=results_root)
+    return float(df.sort_values("req_index")["ttft_s"].iloc[2::2].median())
+
+
+def first_vs_rest(df: pd.DataFrame) -> float:
+    """First request's TTFT ÷ the median of the rest: the cold-over-warm ratio of a cache-on
+    run whose engine does not say which requests hit (vLLM without prompt-token details).
+    The first is cold only if the server had not seen the prefix before (a fresh server)."""
+    t = df.sort_values("req_index")["ttft_s"] if "req_index" in df else df["ttft_s"]
+    if len(t) < 2:
+        raise ValueError("need at least two requests")
+    return float(t.iloc[0] / t.iloc[1:].median())
