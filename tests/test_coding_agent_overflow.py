@@ -90,3 +90,37 @@ def test_prefill_sentence_says_what_each_prefill_did():
     assert "complete call: the stream ended in an **error** (API: bad parse)" in text
     rows.loc[1, "error"] = None
     assert "**no tool_use** block and no error" in coding_agent.prefill_sentence(rows)
+
+
+class _CountMessages:
+    """A stand-in engine whose 'token count' is the number of messages (system, task, steps)."""
+
+    def count_tokens(self, req):
+        return len(req.messages)
+
+
+def test_prompt_tokens_at_counts_the_later_call_of_the_same_session():
+    from infercourse.measure.agent_workload import coding_agent_session
+    size = dict(profile="cpu", n_calls=2, max_tokens=8, n_tools=5, static_chars=1200)
+    whole = coding_agent_session(**{**size, "n_calls": 6}).requests
+    for call in (0, 3, 5):   # n_calls in `size` does not cap it: the call is built
+        assert coding_agent.prompt_tokens_at(_CountMessages(), call, **size) == len(whole[call].messages)
+    assert coding_agent.prompt_tokens_at(_CountMessages(), 3, **size) > coding_agent.prompt_tokens_at(
+        _CountMessages(), 2, **size)
+    with pytest.raises(ValueError, match="does not exist"):
+        coding_agent.prompt_tokens_at(_CountMessages(), 10_000, **size)
+
+
+def test_cold_ttft_at_sends_every_repeat_with_a_header_never_sent_before(monkeypatch):
+    sent = []
+
+    def fake_record(engine, req, **kw):
+        sent.append(req)
+        return SimpleNamespace(status="ok", error=None, t=len(sent))
+    monkeypatch.setattr(coding_agent, "record", fake_record)
+    monkeypatch.setattr(coding_agent, "ttft_s", lambda tr: float(tr.t))
+    size = dict(profile="cpu", n_calls=2, max_tokens=8, n_tools=5, static_chars=1200)
+    assert coding_agent.cold_ttft_at(None, 2, repeats=3, **size) == 2.0   # the median of 1, 2, 3
+    system = [str(r.messages[0]) for r in sent]
+    assert len(set(system)) == 3, "each repeat must differ at the header, or the second is served warm"
+    assert all(len(r.messages) == len(sent[0].messages) for r in sent)

@@ -530,3 +530,12 @@ def test_agent_run_cli_with_the_stand_in(tmp_path, capsys):
     assert json.loads((out / "manifest.json").read_text())["network"]["namespace"] == "loopback-only"
     with pytest.raises(SystemExit):
         agent_main(["run", "--agent", "stand-in", "--task", "x", "--env", "NOEQUALS"])
+
+
+def test_an_exercise_rerun_gets_a_fresh_lab_folder(tmp_path):
+    """A lab folder is written once: the exercises' runs (20's tools and header reruns) take the
+    first `name-k` not yet there, so a learner can run the cell again."""
+    assert ra._unused(tmp_path, "tools") == "tools-1"
+    (tmp_path / "tools-1").mkdir()
+    (tmp_path / "tools-2").mkdir()
+    assert ra._unused(tmp_path, "tools") == "tools-3" and ra._unused(tmp_path, "rerun") == "rerun-1"

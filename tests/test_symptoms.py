@@ -33,3 +33,50 @@ def test_costliest_names_the_longest_rows_and_which_wait():
     assert text.startswith("The costliest rows in this run: tokens slow (20.0 s); agent stuck (12.0 s, found only")
     assert "1 of these 2 wait on time" in text and "streaming" not in text
     assert "0 of these 1 wait" in lesson.costliest(rows[3:4], k=3)
+
+
+def test_prefill_only_ratio_is_the_token_ratio_of_the_rows_lengths():
+    assert lesson.growth_lengths() == (32, 320)   # context_growth's own default, read from its signature
+    assert lesson.prefill_only_ratio() == lesson.prefill_only_ratio((32, 320)) == 321 / 33   # + BOS each
+    assert lesson.prefill_only_ratio((10, 10)) == 1.0
+
+
+def test_ttft_ms_refuses_a_prompt_longer_than_one_slot():
+    from types import SimpleNamespace
+
+    import pytest
+
+    def no_engine(**_):
+        raise AssertionError("a prompt that does not fit must not be sent")
+    srv = SimpleNamespace(ctx_size=1024, n_parallel=2, engine=no_engine)   # 512 tokens per slot
+    with pytest.raises(ValueError, match="512"):
+        lesson.ttft_ms(srv, 510)
+
+
+def test_detect_seconds_holds_the_fault_past_the_deadline(monkeypatch):
+    from types import SimpleNamespace
+    seen = []
+
+    def fake_run_fault(name, server, *, seconds, timeout_s):
+        seen.append((name, seconds, timeout_s))
+        return SimpleNamespace(doctor_s=timeout_s + 0.1)
+    monkeypatch.setattr(lesson, "run_fault", fake_run_fault)
+    assert lesson.detect_seconds("srv", 10.0, seconds=10) == 10.1
+    assert lesson.detect_seconds("srv", 2.0, seconds=30) == 2.1
+    # a frozen server that resumed mid-probe would answer it: the fault outlasts the deadline
+    assert seen == [("frozen", 20.0, 10.0), ("frozen", 30, 2.0)]
+
+
+def test_too_few_pairs_say_so_instead_of_a_bare_within_noise():
+    """Two pairs can never pass the three-arm relabelling test (it needs three): the lab's
+    evidence says so, and its default repeats reach the test's level."""
+    import inspect
+
+    from infercourse.measure import noise
+    short, aa, long_ = [1.0, 1.1, 0.9, 1.05], [1.02, 1.08, 0.95, 1.0], [5.0, 5.5, 4.8, 5.2]
+    two = noise.compare(short[:2], long_[:2], noise.noise_floor(short[:2], aa[:2]), labels=("short", "long"))
+    four = noise.compare(short, long_, noise.noise_floor(short, aa), labels=("short", "long"))
+    assert two.verdict == "within noise" and "2 pairs cannot pass a test that needs 3" in lesson._verdict(two)
+    assert four.verdict == "short faster" and lesson._verdict(four) == "short faster"
+    for fn in (lesson.context_growth, lesson.cpu_contention):
+        assert inspect.signature(fn).parameters["repeats"].default >= two.fewest

@@ -35,7 +35,7 @@ from infercourse.ops.probes import parse_metrics
 
 __all__ = ["TOOLS_TEMPLATE", "serve", "prefilled_call", "prefill_sentence", "engines", "request_parts", "run_session",
            "cache_table", "header_verdicts", "summary_lines", "slot_view", "first_overflow", "ask_more_than_fits", "cold_timeout", "tool_route", "api_agreement",
-           "routes", "claude_code_settings", "plot_calls"]
+           "routes", "claude_code_settings", "plot_calls", "prompt_tokens_at", "cold_ttft_at"]
 
 # llama-server's counter of prompt tokens it actually evaluated (cache hits excluded)
 EVALUATED = "llamacpp:prompt_tokens_total"
@@ -221,6 +221,47 @@ def first_overflow(engine, workload) -> dict[str, Any]:
         return {**out, "layer": None, "error": "the server answered anyway"}
     except InferCourseError as e:
         return {**out, "layer": e.layer, "error": e.message[:160]}
+
+
+def _call(call: int, **size: Any):
+    """Request `call` of the session at `size` (a session built with just enough calls)."""
+    wl = coding_agent_session(**{**size, "n_calls": call + 1})
+    if call >= len(wl.requests):
+        raise ValueError(f"the recorded session has {len(wl.requests)} calls: call {call} does not exist")
+    return wl.requests[call]
+
+
+def prompt_tokens_at(engine, call: int, **size: Any) -> float:
+    """The prompt tokens of call `call` of the session, counted by the server
+    (`POST /v1/messages/count_tokens`): nothing is generated.
+
+    Args:
+        engine: the Anthropic engine of the server (`engines(url)["anthropic"]`).
+        call: the call's index (0: the first call, the task alone).
+        size: `coding_agent_session` sizes (profile=, n_tools=, static_chars=...); n_calls is set here.
+    """
+    return float(engine.count_tokens(_call(call, **size)))
+
+
+def cold_ttft_at(engine, call: int, repeats: int = 2, **size: Any) -> float:
+    """Median TTFT (s) of call `call` of the session sent cold: each repeat carries a header
+    value no earlier request had (a new salt, header first), so the slot reuses only what
+    precedes the header and prefills the rest, as every call of the buster run does.
+
+    Args:
+        engine: the Anthropic engine of the server.
+        call: the call's index.
+        repeats: cold sends whose median is returned.
+        size: `coding_agent_session` sizes; n_calls, bust and salt are set here.
+    """
+    import secrets
+    times = []
+    for _ in range(repeats):
+        tr = record(engine, _call(call, **{**size, "bust": True, "salt": secrets.token_hex(4)}))
+        if tr.status != "ok":
+            raise InferCourseError(f"call {call} sent cold failed: {tr.error}")
+        times.append(ttft_s(tr))
+    return float(pd.Series(times).median())
 
 
 def ask_more_than_fits(engine, request, n_ctx: int) -> dict[str, Any]:

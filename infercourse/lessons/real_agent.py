@@ -41,7 +41,8 @@ __all__ = ["SIZES", "readiness", "skip_reason", "claude_task", "codex_task", "la
            "versus_stand_in", "evaluated_by_task", "cold_warm_sentence", "header_sentence", "clip_view",
            "amplification", "amplification_sentence", "extension_cost", "extension_sentence", "session_pastes",
            "growing_session", "compaction_plan", "told_env", "plan_sentence", "session_view", "compaction_sentence",
-           "doctor_on_fresh_server", "calls_table", "tasks_table", "EXTEND_CONTEXT"]
+           "doctor_on_fresh_server", "calls_table", "tasks_table", "EXTEND_CONTEXT", "first_request_tokens",
+           "rerun_evaluated"]
 
 SHORT_SYSTEM = "You are a coding assistant. Answer in one short sentence."
 # The two sizes: "full" sends the agents' own requests; "ci" shrinks them with the agents' own
@@ -97,6 +98,66 @@ def lab(root: str | Path, name: str, tasks: list[Task], *, ctx: int, threads: in
     spec = LabSpec(str(Path(root) / name), tasks, ctx=ctx, threads=threads, model=model, n_predict=n_predict,
                    server_args=EXTEND_CONTEXT(ctx) if extend else [])
     return run_lab(spec)
+
+
+def _unused(root: str | Path, name: str) -> str:
+    """`name-1`, `name-2`...: the first that holds no lab run yet (a lab folder is written
+    once), so an exercise cell can run again."""
+    k = 1
+    while (Path(root) / f"{name}-{k}").exists():
+        k += 1
+    return f"{name}-{k}"
+
+
+def _first_call(out: str | Path) -> pd.Series:
+    """The first model call a lab run captured."""
+    from infercourse.core.errors import AgentLayerError
+    calls = calls_table(out)
+    gen = calls[calls["api"].isin(GENERATING_APIS)]
+    if not len(gen):
+        raise AgentLayerError(f"{out}: the agent sent no model call (its log: {Path(out) / 'lab.log'})")
+    return gen.iloc[0]
+
+
+def first_request_tokens(root: str | Path, tools: str, size: str, *, ctx: int, threads: int = 1,
+                         model: str | None = None, timeout_s: float = 900, name: str = "tools") -> float:
+    """Prompt tokens of Claude Code's first request for a one-line task when it is given only
+    `tools`, run in the sealed lab on a fresh server (`lab`): the server's usage, or, where
+    the server refused the call as longer than its window, the size its refusal names.
+
+    Args:
+        root: the results folder (the run goes to a new `name-k` folder in it).
+        tools: Claude Code's `--tools` value, e.g. "Read,Bash" ("": no tools).
+        size: "full" or "ci" (`SIZES`; `tools` replaces the size's own list).
+        ctx: the server's window (extended with YaRN above 8,192).
+        threads, model, timeout_s: as `lab` and `claude_task` take them.
+    """
+    task = claude_task(f"tools {tools or 'none'}", "Say hello.", size, env=SHORT_ANSWER, timeout_s=timeout_s,
+                       tools=tools)
+    first = _first_call(lab(root, _unused(root, name), [task], ctx=ctx, threads=threads, extend=ctx > 8192,
+                            model=model))
+    n = first.get("prompt_tokens")
+    return float(n) if pd.notna(n) else _refused_size(first.get("error"))
+
+
+def rerun_evaluated(root: str | Path, size: str, env: dict[str, str], *, ctx: int, threads: int = 1,
+                    model: str | None = None, timeout_s: float = 900, prompt: str = "Say hello.",
+                    name: str = "rerun") -> float:
+    """One Claude Code task run twice on one fresh server in the sealed lab, the second time
+    with `env` added: the prompt tokens the second run's first call made the server evaluate
+    (its /metrics counter), i.e. how much of the first run's cached prefix it could not reuse.
+
+    Args:
+        root: the results folder (the run goes to a new `name-k` folder in it).
+        size: "full" or "ci".
+        env: what the second run changes, e.g. {"CLAUDE_CODE_ATTRIBUTION_HEADER": "0"}.
+        ctx, threads, model, timeout_s: as `lab` and `claude_task` take them.
+        prompt: the task, the same both times.
+    """
+    tasks = [claude_task("first", prompt, size, env=SHORT_ANSWER, timeout_s=timeout_s),
+             claude_task("again, env changed", prompt, size, env={**SHORT_ANSWER, **env}, timeout_s=timeout_s)]
+    out = lab(root, _unused(root, name), tasks, ctx=ctx, threads=threads, extend=ctx > 8192, model=model)
+    return float(evaluated_by_task(out).loc["again, env changed", "evaluated_tokens"])
 
 
 def first_call_parts(out: str | Path, request_id: int = 0) -> pd.DataFrame:

@@ -34,7 +34,8 @@ from infercourse.ops.anthropic_probe import cache_buster_check, tool_check
 from infercourse.ops.faults import FAULTS, run_fault
 
 __all__ = ["SYMPTOMS", "DIFFERS", "SymptomRow", "reproduce", "context_growth", "cpu_contention", "retry_tail",
-           "retry_sentence", "costliest", "blank_sheet", "table", "score", "write_cheatsheet", "MEASURED", "cheatsheet_markdown"]
+           "retry_sentence", "costliest", "blank_sheet", "table", "score", "write_cheatsheet", "MEASURED", "cheatsheet_markdown",
+           "growth_lengths", "prefill_only_ratio", "ttft_ms", "detect_seconds"]
 
 # symptom -> (the guide's suspect layers, in its order; how it is reproduced here)
 SYMPTOMS = {
@@ -112,7 +113,15 @@ def _ttft(engine, words: int) -> float:
     return c.events[0].t - c.t_start
 
 
-def context_growth(server, lengths=(32, 320), repeats: int = 2) -> tuple[str | None, str, dict]:
+def _verdict(c) -> str:
+    """The comparison's verdict, saying so when its pairs were too few for the test ever to
+    call a difference (then "within noise" is no evidence of no effect)."""
+    if c.interval.n < c.fewest:
+        return f"{c.verdict}: {c.interval.n} pairs cannot pass a test that needs {c.fewest}"
+    return c.verdict
+
+
+def context_growth(server, lengths=(32, 320), repeats: int = 3) -> tuple[str | None, str, dict]:
     """TTFT of a short and a long prompt (no prefix reuse), interleaved with an A/A repeat
     of the short one: (layer or None, evidence, values). "context" only beyond noise."""
     engine = server.engine(timeout=60)
@@ -124,9 +133,64 @@ def context_growth(server, lengths=(32, 320), repeats: int = 2) -> tuple[str | N
     ratio = float(np.median(v["long"]) / np.median(v["short"]))
     window = server.ctx_size // server.n_parallel
     evidence = (f"TTFT {1e3 * np.median(v['short']):.0f} → {1e3 * np.median(v['long']):.0f} ms as the prompt grows "
-                f"{lengths[0]} → {lengths[-1]} words ({ratio:.1f}x; {c.verdict}, A/A floor ±{floor.floor:.0%}); "
+                f"{lengths[0]} → {lengths[-1]} words ({ratio:.1f}x; {_verdict(c)}, A/A floor ±{floor.floor:.0%}); "
                 f"the window is {window} tokens per slot")
     return ("context" if c.verdict == "short faster" else None), evidence, {**v, "ttft_ratio": ratio}
+
+
+def growth_lengths() -> tuple[int, ...]:
+    """The prompt lengths (words) the "slower the longer it runs" row measures: `context_growth`'s own."""
+    import inspect
+    return tuple(inspect.signature(context_growth).parameters["lengths"].default)
+
+
+def prefill_only_ratio(lengths: tuple[int, ...] | None = None) -> float:
+    """TTFT(longest) / TTFT(shortest) of the "slower the longer it runs" row if TTFT were
+    prefill alone, linear in the prompt's tokens (one per word, plus BOS): the ceiling its
+    measured `ttft_ratio` approaches as the fixed part (HTTP, scheduling, a decode step) shrinks
+    next to prefill, and falls short of where the fixed part dominates.
+
+    Args:
+        lengths: the prompt lengths in words (None: `growth_lengths()`).
+    """
+    lengths = lengths or growth_lengths()
+    return (lengths[-1] + 1) / (lengths[0] + 1)
+
+
+def ttft_ms(server, words: int, repeats: int = 3) -> float:
+    """Median TTFT (ms) of a `words`-word prompt with no prefix reuse, measured as the "slower
+    the longer it runs" row measures its two lengths (after one warm-up request).
+
+    Args:
+        server: the lab's running LlamaServer.
+        words: prompt length in words ("word" repeated: about one token each); prompt and the
+            two tokens asked for must fit one slot's window (`ctx_size // n_parallel`).
+        repeats: requests whose median is returned.
+    """
+    window = server.ctx_size // server.n_parallel
+    if words + 3 > window:   # + BOS + the 2 tokens asked for
+        raise ValueError(f"{words} words do not fit the slot's window of {window} tokens")
+    engine = server.engine(timeout=60)
+    try:
+        _ttft(engine, words)   # warm-up: the first request after a fault pays for more than prefill
+        return 1e3 * float(np.median([_ttft(engine, words) for _ in range(repeats)]))
+    finally:
+        engine.close()
+
+
+def detect_seconds(server, timeout_s: float, *, fault: str = "frozen", seconds: float = 20.0) -> float:
+    """How long the doctor took to name the layer of `fault` when each of its probes waits
+    `timeout_s` (`FaultRun.doctor_s`), the fault undone after. A time-shaped fault is found
+    only by a deadline, so this time follows the deadline, not the machine.
+
+    Args:
+        server: the lab's running LlamaServer (handed back healthy).
+        timeout_s: the doctor's per-probe read timeout.
+        fault: a key of `FAULTS` (default: the frozen server of "agent stuck").
+        seconds: the longest the fault may last; raised to `timeout_s` + 10 s so the fault is
+            still in place while the probe waits (a server that resumes mid-probe answers it).
+    """
+    return float(run_fault(fault, server, seconds=max(seconds, timeout_s + 10.0), timeout_s=timeout_s).doctor_s)
 
 
 _SPIN = "import time\nend = time.time() + {s}\nwhile time.time() < end:\n    pass\n"
@@ -145,7 +209,7 @@ def _hogs(n: int, seconds: float = 30.0) -> list:
             for _ in range(n)]
 
 
-def cpu_contention(server, repeats: int = 2, max_tokens: int = 24) -> tuple[str | None, str, dict]:
+def cpu_contention(server, repeats: int = 3, max_tokens: int = 24) -> tuple[str | None, str, dict]:
     """Decode speed alone (twice: the A/A floor) and with two busy processes per core,
     each in its own session (`_hogs`), interleaved: (layer or None, evidence, values).
     "hardware" only beyond noise."""
@@ -174,7 +238,7 @@ def cpu_contention(server, repeats: int = 2, max_tokens: int = 24) -> tuple[str 
     c = noise.compare(v["alone"], v["shared"], floor, higher_is_better=True, labels=("alone", "shared"))
     alone, with_hogs = float(np.median(v["alone"])), float(np.median(v["shared"]))
     evidence = (f"decode {alone:.1f} tok/s without the lab's busy processes, {with_hogs:.1f} tok/s with "
-                f"{2 * cores} ({with_hogs / alone:.0%}; {c.verdict}, A/A floor ±{floor.floor:.0%})"
+                f"{2 * cores} ({with_hogs / alone:.0%}; {_verdict(c)}, A/A floor ±{floor.floor:.0%})"
                 + (f"; the machine was busy before they started (load {before.load_1m:.1f} on {before.cores} "
                    "cores), so 'without' was already shared" if before.busy and before.load_1m is not None else ""))
     return ("hardware" if c.verdict == "alone faster" else None), evidence, \
