@@ -171,3 +171,14 @@ def test_same_scores_sentence_says_same_or_worse():
     a = np.linspace(1, 3, 100)
     assert "**the same**" in same_scores_sentence({"F16": a, "Q4_1": a}, "F16", "Q4_1")
     assert "**worse**" in same_scores_sentence({"F16": a + 0.1, "Q4_1": a}, "F16", "Q4_1")
+
+
+@pytest.mark.slow
+def test_file_bits_per_weight_counts_the_fallbacks():
+    """Notebook 06, exercise 7: Q6_K on a 576-wide model is mostly its Q8_0 fallback; Q8_0 is
+    34 bytes per 32 weights (8.5 bits) plus a sliver of F32 norms."""
+    from infercourse.lessons.quantization import file_bits_per_weight
+    q8 = file_bits_per_weight("Q8_0")
+    assert 8.5 <= q8 < 8.52
+    q6 = file_bits_per_weight("Q6_K")
+    assert 7.9 < q6 < q8          # well above the name's 6.5625: only ffn_down rows split into 256

@@ -212,3 +212,33 @@ def test_rejection_sentence_checks_both_claims_and_can_fail():
     off = toy.assign(**{"output frequency": toy["drafter q"]})          # came out as q: the rule failed
     bad = rejection_sentence(off, {**summary, "acceptance": summary["predicted_acceptance"] + 0.1})
     assert "miss p" in bad and "standard errors from" in bad
+
+
+def test_acceptance_from_tokens_per_step_inverts_the_formula():
+    """Notebook 08, exercises 6-7: alpha recovered from tokens per pass at one k predicts another k."""
+    from infercourse.lessons.speculative import acceptance_from_tokens_per_step
+    for alpha in (0.0, 0.3, 0.84, 0.99):
+        for k in (1, 3, 10):
+            t = expected_tokens_per_step(alpha, k)
+            assert math.isclose(acceptance_from_tokens_per_step(t, k), alpha, abs_tol=1e-6)
+    assert acceptance_from_tokens_per_step(0.5, 4) == pytest.approx(0.0)        # below 1: clipped
+    assert acceptance_from_tokens_per_step(9.0, 4) == pytest.approx(1.0)        # above k+1: clipped
+    # accepted / proposed is not alpha: at alpha = 0.8, k = 4 the ratio is (a + ... + a^4) / 4, well under 0.8
+    assert sum(0.8 ** j for j in range(1, 5)) / 4 < 0.7
+    with pytest.raises(ValueError):
+        acceptance_from_tokens_per_step(2.0, 0)
+
+
+@pytest.mark.slow
+def test_versus_plain_returns_the_drafters_row(transformers_engine):
+    """An oracle drafter (the true continuation) takes fewer passes than plain decoding, and the
+    row says so; plain decoding's own CPU time comes with it."""
+    from infercourse.core.types import Request
+    from infercourse.lessons.draft_verify import speculative_greedy, versus_plain
+    m, n = transformers_engine.model, 8
+    ids = transformers_engine.prompt_ids(Request(messages=[{"role": "user", "content": "Name three colours."}]))
+    truth = speculative_greedy(m, ids, n, lambda s, h: [])["tokens"]
+    row = versus_plain(m, ids, n, lambda s, h: truth[len(s) - len(ids):][:3], repeats=2)
+    assert row["passes"] == 2 and row["tokens_per_pass"] == 4.0 and row["acceptance_rate"] == 1.0
+    assert row["identical"] and row["plain_cpu_s"] > 0 and row["speed_up"] > 0
+    assert "tokens" not in row and "verdict" in row

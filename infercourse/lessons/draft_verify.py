@@ -36,7 +36,7 @@ import numpy as np
 from infercourse.measure import noise
 
 __all__ = ["speculative_greedy", "rejection_sample", "rejection_demo", "rejection_sentence", "compare_drafters", "pass_cost",
-           "plot_drafters"]
+           "plot_drafters", "versus_plain"]
 
 Drafter = Callable[[list, object], Sequence[int]]
 
@@ -202,6 +202,22 @@ def compare_drafters(model, ids: Sequence[int], max_new: int, drafters: dict, *,
     out = pd.DataFrame(rows)
     out.attrs["noise_floor_text"] = floor.text() if floor else "repeats = 1: no A/A floor"
     return out
+
+
+def versus_plain(model, ids: Sequence[int], max_new: int, propose: Drafter, *, repeats: int = 2) -> dict:
+    """One drafter against plain greedy decoding, as `compare_drafters` measures it (CPU time,
+    interleaved, plain decoding's A/A rerun as the floor): that drafter's row as a dict
+    (speed_up, its bracket and verdict, passes, tokens_per_pass, acceptance_rate, cpu_s),
+    plus `plain_cpu_s`, the reference's CPU time.
+
+    Args:
+        model: a transformers causal LM; ids: prompt token ids; max_new: tokens to generate.
+        propose: the drafter, (tokens so far, hidden state) -> guessed ids.
+        repeats: runs per arm (>= 2 for a verdict).
+    """
+    df = compare_drafters(model, ids, max_new, {"plain": lambda s, h: [], "drafter": propose}, repeats=repeats)
+    row = df.set_index("drafter").drop(columns="tokens")
+    return {**row.loc["drafter"].to_dict(), "plain_cpu_s": float(row.loc["plain", "cpu_s"])}
 
 
 def pass_cost(model, ids: Sequence[int], widths: Sequence[int] = (1, 3, 11), *, repeats: int = 6,

@@ -27,7 +27,7 @@ from infercourse.core.errors import ModelLayerError
 __all__ = ["measure_ladder", "ladder_paths", "greedy_agreement", "rss_bytes",
            "levels_per_block", "paired_nll_difference",
            "ladder_table", "tensor_rows", "last_level_cache_bytes", "cache_line", "nll_verdict",
-           "same_scores_sentence", "ladder_reading"]
+           "same_scores_sentence", "ladder_reading", "file_bits_per_weight", "file_decode_speed"]
 
 
 def rss_bytes() -> int:
@@ -413,3 +413,45 @@ def ladder_reading(df, reference: str = "F16") -> str:
             f"- **Agreement vs perplexity.** No file changed its greedy answers while keeping {reference}'s "
             "perplexity within 2 SE: here agreement did not move before perplexity.")
     return "\n".join(lines)
+
+
+def file_bits_per_weight(qtype: str) -> float:
+    """Bits per weight of one more quantization of the course's model, as llama.cpp loads it
+    (the ladder's `bits_per_weight`: 8 × weight bytes ÷ parameters), derived once from F16.
+
+    Args:
+        qtype: a llama.cpp file type, e.g. "Q6_K" or "Q5_0".
+    """
+    path = ladder_paths([qtype], include_original=False)[qtype]
+    return float(ladder_table({qtype: path})["bits_per_weight"].iloc[0])
+
+
+def file_decode_speed(qtype: str, prompts: Sequence[str], *, max_tokens: int = 24, n_threads: int = 1,
+                      repeats: int = 3, n_ctx: int = 512) -> float:
+    """Decode tok/s of one more quantization, measured as `measure_ladder` measures each rung:
+    loaded with llama.cpp, warmed up, every prompt decoded greedily for exactly `max_tokens`
+    tokens; the median over prompts and `repeats` rounds (a single short run on a shared
+    machine can be off by a third).
+
+    Args:
+        qtype: a llama.cpp file type, derived once from F16 (e.g. "Q5_0").
+        prompts: user messages.
+        max_tokens: tokens per prompt (forced length).
+        n_threads: llama.cpp threads (the ladder's `N_THREADS`, so the two compare).
+        repeats: rounds over the prompts.
+        n_ctx: context window.
+    """
+    from infercourse.core.metrics import decode_tok_per_s
+    from infercourse.engines.llamacpp import LlamaCppEngine
+    if not prompts:
+        raise ValueError("file_decode_speed needs at least one prompt")
+    path = ladder_paths([qtype], include_original=False)[qtype]
+    gc.collect()
+    engine = LlamaCppEngine(path, n_ctx=n_ctx, n_threads=n_threads)
+    try:
+        _run_prompts(engine, prompts[:1], 4)  # warm-up: page the weights in
+        speeds = [decode_tok_per_s(t) for _ in range(max(1, repeats))
+                  for t in _run_prompts(engine, prompts, max_tokens)[0]]
+    finally:
+        engine.llm.close()
+    return float(np.median(speeds))

@@ -35,7 +35,8 @@ from infercourse.core.errors import ModelLayerError
 
 __all__ = ["lookup_draft", "lookup_proposer", "replay_acceptance", "chunk_acceptance", "truncated_draft",
            "output_ids", "compare_speculation", "outcome", "speedup_text", "explain_speculation", "loop_verdicts",
-           "expected_tokens_per_step", "expected_speedup", "break_even_acceptance", "plot_speedup"]
+           "expected_tokens_per_step", "expected_speedup", "break_even_acceptance", "plot_speedup",
+           "acceptance_from_tokens_per_step"]
 
 Proposer = Callable[[np.ndarray], np.ndarray]
 
@@ -91,6 +92,27 @@ def break_even_acceptance(k: int, draft_cost: float) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if expected_speedup(mid, k, draft_cost) < 1 else (lo, mid)
     return hi
+
+
+def acceptance_from_tokens_per_step(tokens_per_step: float, k: int) -> float:
+    """The per-token acceptance alpha that `expected_tokens_per_step` turns into the measured
+    tokens per target pass at draft length `k`: the inverse of (1 - alpha^(k+1)) / (1 - alpha),
+    by bisection. Not the same number as accepted / proposed: a step stops at its first
+    rejection, so the later proposals of a step are never checked one by one, and that ratio
+    sits under alpha.
+
+    Args:
+        tokens_per_step: measured tokens per target pass (1 .. k+1; clipped to that range).
+        k: tokens the drafter could propose per step.
+    """
+    if k < 1:
+        raise ValueError("k must be at least 1")
+    t = min(max(float(tokens_per_step), 1.0), k + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # expected_tokens_per_step rises with alpha
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_step(mid, k) < t else (lo, mid)
+    return (lo + hi) / 2
 
 
 def plot_speedup(df, ax=None):
