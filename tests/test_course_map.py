@@ -86,3 +86,34 @@ def test_no_old_notebook_name_is_left():
         text = p.read_text(encoding="utf-8", errors="replace")
         hits += [f"{p.relative_to(ROOT)}: {o}" for o in old if o in text]
     assert not hits, hits
+
+
+def _exercise_cells(path: Path) -> tuple[list[str], list[str]]:
+    """(predict-then-measure exercises, your-hardware exercises) of one notebook: the markdown
+    that asks, each followed by the code cell the learner runs: a guess set to None (nothing is
+    measured or scored until the learner writes one), or one the Predict cell set (MY_...)."""
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    pm, hw = [], []
+    for i, c in enumerate(cells[:-1]):
+        text = "".join(c["source"])
+        if c["cell_type"] != "markdown" or not re.match(r"\s*(## Exercises\s+)?(\*\*)?\d+\.", text):
+            continue
+        nxt = "".join(cells[i + 1]["source"]) if cells[i + 1]["cell_type"] == "code" else ""
+        if not re.search(r"^\w+(, \w+)* = None\b|\bMY_\w+", nxt, re.M):
+            continue
+        if "Your hardware" in text:
+            hw.append(f"{path.name} cell {i}")
+        elif "Predict, then measure" in text:
+            pm.append(f"{path.name} cell {i}")
+    return pm, hw
+
+
+def test_every_notebook_has_predict_change_measure_and_your_hardware_exercises():
+    """Issue 26 §5: at least two exercises where the learner predicts a number, changes one
+    setting, measures and is scored, and one that transfers to their own hardware."""
+    short = {}
+    for p in notebooks():
+        pm, hw = _exercise_cells(p)
+        if len(pm) < 2 or not hw:
+            short[p.name] = (len(pm), len(hw))
+    assert short == {}, f"(predict-then-measure, your-hardware) exercises found: {short}"
