@@ -248,7 +248,7 @@ def fastest(baseline: pd.DataFrame, again: pd.DataFrame, metric: str = "ttft_s")
     else:
         others = [y for y in live if y != lead]
         pair = {y: (pairs[(lead, y)] if (lead, y) in pairs else pairs[(y, lead)])[0] for y in others}
-        few = [y for y in others if pair[y] is None or pair[y].interval.n < pair[y].fewest]
+        few = [y for y in others if pair[y] is None or pair[y].too_few]
         tied = [y for y in others if y not in few and not beats(lead, y) and not beats(y, lead)]
         lost = [y for y in others if beats(y, lead)]
         why = [f"against route {', '.join(tied)} the difference did not clear the A/A noise of both routes"

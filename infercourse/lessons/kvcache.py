@@ -243,18 +243,11 @@ def state_kv_bytes_per_token(engine, n_tokens: tuple[int, int] = (32, 288)) -> d
         n_tokens: two prompt lengths to evaluate; both must fit in the context window.
     """
     from infercourse.core.errors import ContextLayerError
-    from infercourse.measure.workloads import exact_length_prompt
-    import llama_cpp as lc
     llm = engine.llm
     a, b = sorted(n_tokens)
     if a == b or b > llm.n_ctx():
         raise ContextLayerError(f"need two different lengths <= n_ctx {llm.n_ctx()}, got {n_tokens}")
-    sizes = {}
-    for n in (a, b):
-        engine.reset()       # eval() then drops every cell from position 0 on
-        llm.eval(engine.tokenize(exact_length_prompt(n, engine.tokenize, seed=n)))
-        sizes[n] = int(lc.llama_state_get_size(compat.llama_context_ptr(llm)))
-    engine.reset()
+    sizes = {n: _state_size(engine, n) for n in (a, b)}
     return {"tokens": (a, b), "state_bytes": (sizes[a], sizes[b]),
             "kv_bytes_per_token": (sizes[b] - sizes[a]) / (b - a)}
 
@@ -269,11 +262,17 @@ def state_bytes(engine, n_tokens: int) -> int:
         n_tokens: prompt length; it must fit the context window.
     """
     from infercourse.core.errors import ContextLayerError
+    if not 1 < n_tokens <= engine.llm.n_ctx():
+        raise ContextLayerError(f"need 1 < n_tokens <= n_ctx {engine.llm.n_ctx()}, got {n_tokens}")
+    return _state_size(engine, n_tokens)
+
+
+def _state_size(engine, n_tokens: int) -> int:
+    """`llama_state_get_size` after one exact-length prompt of `n_tokens` from an empty cache
+    (the cache reset before, since eval() drops every cell from position 0 on, and after)."""
     from infercourse.measure.workloads import exact_length_prompt
     import llama_cpp as lc
     llm = engine.llm
-    if not 1 < n_tokens <= llm.n_ctx():
-        raise ContextLayerError(f"need 1 < n_tokens <= n_ctx {llm.n_ctx()}, got {n_tokens}")
     engine.reset()
     llm.eval(engine.tokenize(exact_length_prompt(n_tokens, engine.tokenize, seed=n_tokens)))
     size = int(lc.llama_state_get_size(compat.llama_context_ptr(llm)))

@@ -113,15 +113,10 @@ def _ttft(engine, words: int) -> float:
     return c.events[0].t - c.t_start
 
 
-def _verdict(c) -> str:
-    """The comparison's verdict, saying so when its pairs were too few for the test ever to
-    call a difference (then "within noise" is no evidence of no effect)."""
-    if c.interval.n < c.fewest:
-        return f"{c.verdict}: {c.interval.n} pairs cannot pass a test that needs {c.fewest}"
-    return c.verdict
+GROWTH_LENGTHS = (32, 320)   # prompt words of the "slower the longer it runs" row
 
 
-def context_growth(server, lengths=(32, 320), repeats: int = 3) -> tuple[str | None, str, dict]:
+def context_growth(server, lengths=GROWTH_LENGTHS, repeats: int = 3) -> tuple[str | None, str, dict]:
     """TTFT of a short and a long prompt (no prefix reuse), interleaved with an A/A repeat
     of the short one: (layer or None, evidence, values). "context" only beyond noise."""
     engine = server.engine(timeout=60)
@@ -133,15 +128,14 @@ def context_growth(server, lengths=(32, 320), repeats: int = 3) -> tuple[str | N
     ratio = float(np.median(v["long"]) / np.median(v["short"]))
     window = server.ctx_size // server.n_parallel
     evidence = (f"TTFT {1e3 * np.median(v['short']):.0f} → {1e3 * np.median(v['long']):.0f} ms as the prompt grows "
-                f"{lengths[0]} → {lengths[-1]} words ({ratio:.1f}x; {_verdict(c)}, A/A floor ±{floor.floor:.0%}); "
+                f"{lengths[0]} → {lengths[-1]} words ({ratio:.1f}x; {c.said}, A/A floor ±{floor.floor:.0%}); "
                 f"the window is {window} tokens per slot")
     return ("context" if c.verdict == "short faster" else None), evidence, {**v, "ttft_ratio": ratio}
 
 
 def growth_lengths() -> tuple[int, ...]:
     """The prompt lengths (words) the "slower the longer it runs" row measures: `context_growth`'s own."""
-    import inspect
-    return tuple(inspect.signature(context_growth).parameters["lengths"].default)
+    return GROWTH_LENGTHS
 
 
 def prefill_only_ratio(lengths: tuple[int, ...] | None = None) -> float:
@@ -238,7 +232,7 @@ def cpu_contention(server, repeats: int = 3, max_tokens: int = 24) -> tuple[str 
     c = noise.compare(v["alone"], v["shared"], floor, higher_is_better=True, labels=("alone", "shared"))
     alone, with_hogs = float(np.median(v["alone"])), float(np.median(v["shared"]))
     evidence = (f"decode {alone:.1f} tok/s without the lab's busy processes, {with_hogs:.1f} tok/s with "
-                f"{2 * cores} ({with_hogs / alone:.0%}; {_verdict(c)}, A/A floor ±{floor.floor:.0%})"
+                f"{2 * cores} ({with_hogs / alone:.0%}; {c.said}, A/A floor ±{floor.floor:.0%})"
                 + (f"; the machine was busy before they started (load {before.load_1m:.1f} on {before.cores} "
                    "cores), so 'without' was already shared" if before.busy and before.load_1m is not None else ""))
     return ("hardware" if c.verdict == "alone faster" else None), evidence, \

@@ -42,7 +42,7 @@ def verdict_sentence(c: Any, what: str = "") -> str:
     head = f"{what + ': ' if what else ''}{b} ÷ {a} = {iv.median:.2f}× (median of {iv.n} paired ratios, " \
            f"{interval_word(iv.exact)} [{iv.lo:.2f}, {iv.hi:.2f}])"
     if c.within_noise:
-        few = f"; with {iv.n} pairs this test can never pass (it needs {c.fewest})" if iv.n < c.fewest else ""
+        few = f"; with {iv.n} pairs this test can never pass (it needs {c.fewest})" if c.too_few else ""
         lean = "above" if iv.median > 1 else "below" if iv.median < 1 else "at"
         return (f"{head}: within noise. The median lies {lean} 1, but a difference this size is one the A/A "
                 f"rerun's noise can produce (p = {c.p:.2g}){few}; this run cannot rank them.")

@@ -281,9 +281,22 @@ class Comparison:
         return self.verdict == "within noise"
 
     @property
+    def too_few(self) -> bool:
+        """Fewer pairs than this test needs ever to call a difference: "within noise" then
+        is no evidence of no effect."""
+        return self.interval.n < self.fewest
+
+    @property
+    def said(self) -> str:
+        """The verdict, saying so when its pairs were too few for the test ever to pass."""
+        if self.too_few:
+            return f"{self.verdict}: {self.interval.n} pairs cannot pass a test that needs {self.fewest}"
+        return self.verdict
+
+    @property
     def text(self) -> str:
         a, b = self.labels
-        few = f"; under {self.fewest} pairs it never passes" if self.interval.n < self.fewest else ""
+        few = f"; under {self.fewest} pairs it never passes" if self.too_few else ""
         return (f"{self.verdict}: {self.interval.text(f'{b}/{a}')}, noise band {band_text(self.floor)}; "
                 f"{self.test}: p = {self.p:.2g}{few}")
 
