@@ -194,10 +194,7 @@ def session_with_extra_calls(n_extra: int, *, plan_path: str | Path | None = Non
     steps = plan["steps"]
     last = max(i for i, (_, tool, _) in enumerate(steps) if tool is not None)
     plan["steps"] = steps[:last + 1] + [steps[last]] * n_extra + steps[last + 1:]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "plan.json"
-        path.write_text(json.dumps(plan))
-        return build_agentic_session(path)
+    return build_agentic_session(plan=plan)
 
 
 _CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)

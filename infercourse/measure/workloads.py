@@ -256,15 +256,18 @@ def run_tool(root: Path, tool: str, args: dict) -> str:
     raise WorkloadError(f"unknown tool {tool!r} in plan")
 
 
-def build_agentic_session(plan_path: Path | None = None, repo: Path | None = None, *, seed: int = 0) -> dict:
+def build_agentic_session(plan_path: Path | None = None, repo: Path | None = None, *, seed: int = 0,
+                          plan: dict | None = None) -> dict:
     """Run the scripted agent of data/agentic_plan.json against a copy of the synthetic repo.
 
     Each step is one model call: its messages are the session so far, its output the
     scripted assistant turn; tools really run, so results (test failures included) are
     true. Offsets model a reference session: model time = 0.4 s + output chars / 160
-    (about 40 tok/s), plus each tool's latency (seeded jitter).
+    (about 40 tok/s), plus each tool's latency (seeded jitter). `plan`: a plan already
+    loaded (and changed), instead of reading `plan_path`.
     """
-    plan = json.loads((plan_path or DATA_DIR / "agentic_plan.json").read_text())
+    if plan is None:
+        plan = json.loads((plan_path or DATA_DIR / "agentic_plan.json").read_text())
     rng, latency = random.Random(seed), {"run_tests": 1.5, "grep": 0.08, None: 0.0}
     messages = [{"role": "system", "content": system_prompt()}, {"role": "user", "content": plan["task"]}]
     calls, t = [], 0.0
