@@ -109,11 +109,16 @@ def _unused(root: str | Path, name: str) -> str:
     return f"{name}-{k}"
 
 
+def _model_calls(out: str | Path) -> pd.DataFrame:
+    """The lab run's calls that asked the model for an answer (not count_tokens, not probes)."""
+    calls = calls_table(out)
+    return calls[calls["api"].isin(GENERATING_APIS)]
+
+
 def _first_call(out: str | Path) -> pd.Series:
     """The first model call a lab run captured."""
     from infercourse.core.errors import AgentLayerError
-    calls = calls_table(out)
-    gen = calls[calls["api"].isin(GENERATING_APIS)]
+    gen = _model_calls(out)
     if not len(gen):
         raise AgentLayerError(f"{out}: the agent sent no model call (its log: {Path(out) / 'lab.log'})")
     return gen.iloc[0]
@@ -210,8 +215,7 @@ def evaluated_by_task(out: str | Path) -> pd.DataFrame:
     prompt tokens the server evaluated over the whole task (its /metrics counter). An agent
     whose answer was cut at its max_tokens sends more calls to continue it: the first call is
     the one to compare across tasks, the totals say what the task cost."""
-    calls, tasks = calls_table(out), tasks_table(out)
-    gen = calls[calls["api"].isin(GENERATING_APIS)]
+    gen, tasks = _model_calls(out), tasks_table(out)
     rows = []
     for _, t in tasks.iterrows():
         c = gen[gen["task"] == t["task"]]
@@ -265,8 +269,7 @@ def amplification(out: str | Path) -> pd.DataFrame:
     identical re-sends right after it: retries), how many were answered, one copy's prompt
     tokens, what the server evaluated over those copies (its /metrics counter, call by call),
     and their ratio, the retry amplification (1: each prompt token evaluated once)."""
-    calls = calls_table(out)
-    gen = calls[calls["api"].isin(GENERATING_APIS)]
+    gen = _model_calls(out)
     rows = []
     for task, c in gen.groupby("task", sort=False):
         n = 1
