@@ -118,6 +118,19 @@ def test_llamacpp_prefix_cache_reuse(llamacpp_engine):
     assert off.usage.cached_tokens == 0 and off.text == generate(llamacpp_engine, r2).text
 
 
+def test_llamacpp_prompt_n_is_this_requests_own(llamacpp_engine):
+    # llama.cpp adds a decode's tokens to its perf counters at the next synchronize: a direct
+    # llm.eval before a request (as the KV-cache lesson's state-size probe does) was billed
+    # to the request's prompt_n (214 for a 54-token prompt, after 16 + 144 probe tokens)
+    probe = llamacpp_engine.tokenize("one two three four five six seven eight nine ten " * 3)
+    llamacpp_engine.reset()
+    llamacpp_engine.llm.eval(probe)
+    llamacpp_engine.reset()
+    r = Request(prompt="Hello there.", max_tokens=1, cache_prompt=False)
+    done = list(llamacpp_engine.stream(r))[-1]
+    assert done.timings["prompt_n"] == done.usage.prompt_tokens < len(probe)
+
+
 def test_llamacpp_cached_tokens_with_one_or_no_uncached_token(llamacpp_engine):
     # §2.7: llama.cpp files a 1-token batch under n_eval, not n_p_eval, and reports every
     # count as max(1, n), so `len - n_p_eval` was right for a 1-token suffix only by luck,

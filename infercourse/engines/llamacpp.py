@@ -135,6 +135,9 @@ class LlamaCppEngine:
         # Not `len - n_p_eval`: llama.cpp counts a 1-token batch as a decode step
         # (`n_eval`), and prompt-lookup verify batches land in `n_p_eval`.
         cached = compat.llama_cached_prefix(llm, tokens)
+        # llama.cpp files a decode's tokens into the perf counters at the next synchronize, so
+        # work done outside stream() (a direct llm.eval) would land in this request's prompt_n
+        lc.llama_synchronize(compat.llama_context_ptr(llm))
         lc.llama_perf_context_reset(compat.llama_context_ptr(llm))
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         vocab, generated, finish = compat.llama_vocab_ptr(llm), [], "length"
