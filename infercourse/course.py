@@ -198,7 +198,9 @@ def course_main(argv: list[str] | None = None) -> int:
                                  description="Execute every notebook in order, headless.")
     ap.add_argument("--out", default="build", help="build folder (default: build)")
     ap.add_argument("--only", nargs="*", help="run only notebooks whose name contains one of these")
-    ap.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
+    # an hour a cell: at full size notebook 20's cells run a real agent for tens of minutes on a
+    # 2-core CPU (a told session that compacts: ~20 min); the limit only stops a hung cell
+    ap.add_argument("--timeout", type=int, default=3600, help="per-cell timeout in seconds (default: 3600)")
     ap.add_argument("--size", choices=["full", "ci"], default="full",
                     help="full: the notebooks' defaults (default); ci: the small sizes of "
                          "notebooks/ci_params.json that `make test` runs")
