@@ -201,6 +201,25 @@ def test_doctor_fixes_follow_the_findings():
     assert "stream_idle_timeout_ms" in agent_doctor.fixes("codex", "http://127.0.0.1:8", GOOD, SHAPE, checks)
 
 
+def test_doctor_names_the_servers_fix_with_the_window_the_agent_needs():
+    # fits, with room under Claude Code's compaction line: nothing for the server to change
+    assert agent_doctor.server_fix("claude-code", GOOD, SHAPE) is None
+    need = agent_doctor.window_needed("claude-code", SHAPE)
+    assert need == -(-(10000 + 13000 + 256) // 256) * 256 and need % 256 == 0
+    small = {**GOOD, "n_ctx_slot": 8192, "n_ctx_train": 8192}
+    fix = agent_doctor.server_fix("claude-code", small, SHAPE)
+    assert "does not fit the slot's 8,192" in fix and f"-c {need} -np 1" in fix and "--rope-scaling yarn" in fix
+    # fits the first request, but the compaction line falls below it: the fix says so
+    tight = agent_doctor.server_fix("claude-code", {**GOOD, "n_ctx_slot": 16384, "n_ctx_train": 32768}, SHAPE)
+    assert "compacts at every call" in tight and "yarn" not in tight   # within the trained context
+    assert agent_doctor.server_fix("codex", {**GOOD, "n_ctx_slot": 16384}, SHAPE) is None
+    # the agent's settings go with the server as fixed
+    env = json.loads(agent_doctor.fixes("claude-code", "u", small, SHAPE, []))["env"]
+    assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(need)
+    text = agent_doctor.report("claude-code", "u", small, SHAPE, agent_doctor.grade_agent_route(small, SHAPE))
+    assert "[fail] context" in text and "server: " in text and "(with the server's fix)" in text
+
+
 # -- the sentences 20 computes -----------------------------------------------------------------
 def _tab(**rows):
     return pd.DataFrame(rows).T
@@ -484,7 +503,10 @@ def test_doctor_agent_cli_names_the_failing_layers_and_prints_settings(capsys):
     # the committed shape of the pinned Claude Code's first request does not fit 4096 tokens
     assert rc == 1 and "[fail] context" in out and "does not fit the slot (4096 tokens)" in out
     env = json.loads(out[out.index("{"):])["env"]
-    assert env["ANTHROPIC_BASE_URL"] == srv.url and env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "4096"
+    need = agent_doctor.window_needed("claude-code", agent_doctor.agent_shape("claude-code"))
+    # the server's fix names the window the agent needs, extended past the model's 8,192
+    assert f"slot window of at least {need:,} tokens: -c {need}" in out and "--rope-scaling yarn" in out
+    assert env["ANTHROPIC_BASE_URL"] == srv.url and env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(need)
 
 
 def test_doctor_agent_cli_refuses_a_remote_url_before_any_traffic(capsys):

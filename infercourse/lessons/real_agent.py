@@ -523,7 +523,7 @@ def doctor_on_fresh_server(ctx: int, capture: str | Path, *, threads: int = 1, m
     """`doctor agent` against a new llama-server of `ctx` tokens (extended above 8,192), sized by
     the captured first request in `capture`: the checks and the settings it prints."""
     from infercourse.measure.workloads import DATA_DIR
-    from infercourse.ops.agent_doctor import agent_shape, fixes, grade_agent_route, probe_agent_route
+    from infercourse.ops.agent_doctor import agent_shape, grade_agent_route, probe_agent_route, report
     from infercourse.servers import LlamaServer
     extra = ["--chat-template-file", str(DATA_DIR / "chatml_tools.jinja"), "--alias", "smollm2-135m",
              *(EXTEND_CONTEXT(ctx) if ctx > 8192 else [])]
@@ -533,5 +533,4 @@ def doctor_on_fresh_server(ctx: int, capture: str | Path, *, threads: int = 1, m
         checks = grade_agent_route(ev, shape)
         lines = [f"doctor agent {srv.url} --agent {agent}   (llama-server -c {ctx}; first request "
                  f"{shape['prompt_tokens']} tokens, from this run's capture)"]
-        lines += [f"  [{c.status:4}] {c.layer:8} {c.summary}" for c in checks]
-        return "\n".join(lines + ["settings that fix what was found:", fixes(agent, srv.url, ev, shape, checks)])
+        return "\n".join(lines + [report(agent, srv.url, ev, shape, checks)])

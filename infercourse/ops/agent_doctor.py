@@ -17,7 +17,9 @@ will meet, and each grade says which layer fails and what fixes it:
 The first prompt's size comes from a capture of the real agent (`--capture DIR`, a lab run's
 folder) or from `data/agent_shapes.json` (numbers measured from the pinned versions; no text).
 Probing talks to the server (`probe_agent_route`); grading is pure (`grade_agent_route`), and
-`fixes` turns the grades into the settings to paste, with values computed from the probe.
+`fixes` turns the grades into the settings to paste, with values computed from the probe;
+`server_fix` names the server's own change where the window is too small for the agent (the
+slot window it needs, with the YaRN flags where that passes the model's trained context).
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ from infercourse.core.errors import InferCourseError
 from infercourse.measure.workloads import DATA_DIR
 from infercourse.ops.layers import LayerCheck
 
-__all__ = ["SHAPES", "agent_shape", "shape_from_capture", "probe_agent_route", "grade_agent_route", "fixes", "doctor_agent_main",
-           "DEFAULT_TIMEOUT_S"]
+__all__ = ["SHAPES", "agent_shape", "shape_from_capture", "probe_agent_route", "grade_agent_route", "fixes",
+           "server_fix", "window_needed", "report", "doctor_agent_main", "DEFAULT_TIMEOUT_S"]
 
 SHAPES = DATA_DIR / "agent_shapes.json"
 # the agents' own defaults for how long they wait on a silent stream (Claude Code: API_TIMEOUT_MS,
@@ -131,7 +133,9 @@ def probe_agent_route(url: str, agent: str = "claude-code", *, models: tuple[str
     ev["n_ctx_slot"] = ((props.json().get("default_generation_settings") or {}).get("n_ctx")
                         if props.status_code == 200 else None)
     served = httpx.get(url + "/v1/models", timeout=10)
-    ev["served_models"] = [m.get("id") for m in served.json().get("data", [])] if served.status_code == 200 else []
+    data = served.json().get("data", []) if served.status_code == 200 else []
+    ev["served_models"] = [m.get("id") for m in data]
+    ev["n_ctx_train"] = next((m["meta"]["n_ctx_train"] for m in data if (m.get("meta") or {}).get("n_ctx_train")), None)
     main, small = models or DEFAULT_MODELS[agent]
     r = httpx.post(url + "/v1/messages/count_tokens", timeout=30,
                    json={"model": main, "messages": [{"role": "user", "content": "hello"}]})
@@ -224,12 +228,51 @@ def grade_agent_route(ev: dict[str, Any], shape: dict[str, Any], *, timeout_s: f
     return out
 
 
+def window_needed(agent: str, shape: dict[str, Any], min_output: int = 1024) -> int:
+    """The slot window to ask of the server, in llama-server's steps of 256: the first request
+    and `min_output` for an answer; for Claude Code also room under its compaction line (window
+    less its answer cap, at least 256, less 13,000), or it compacts at every call."""
+    from infercourse.ops.agents import CLAUDE_COMPACT_BUFFER
+    need = int(shape["prompt_tokens"]) + (CLAUDE_COMPACT_BUFFER + 256 if agent == "claude-code" else min_output)
+    return -(-need // 256) * 256
+
+
+def server_fix(agent: str, ev: dict[str, Any], shape: dict[str, Any], min_output: int = 1024) -> str | None:
+    """What the server must change, computed from the probe (None: nothing): a slot window of
+    `window_needed`, extended with YaRN where that passes the model's trained context."""
+    from infercourse.ops.agent_lab import EXTEND_CONTEXT
+    n_ctx, first, need = ev.get("n_ctx_slot"), int(shape["prompt_tokens"]), window_needed(agent, shape, min_output)
+    if not n_ctx or n_ctx >= need:
+        return None
+    why = (f"the first request ({first:,} tokens) does not fit the slot's {n_ctx:,}" if n_ctx < first + min_output
+           else f"on {n_ctx:,} tokens Claude Code's compaction line falls below its first request: it compacts at every call")
+    flags = f"-c {need} -np 1"
+    train = ev.get("n_ctx_train")
+    if train and need > train:
+        ext = " ".join(EXTEND_CONTEXT(need, train)).replace("llama.context_length", "ARCH.context_length")
+        flags += (f" {ext}   (ARCH: the model's general.architecture, llama for SmolLM2; past the {train:,} "
+                  f"tokens it was trained on, a quality cost: notebook 20 measures it)")
+    return f"server: {why}; start llama-server with a slot window of at least {need:,} tokens: {flags}"
+
+
+def report(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], checks: list[LayerCheck],
+           served_name: str | None = None) -> str:
+    """The checks, one line each, then the server's fix (where one is needed) and the agent's settings."""
+    lines = [f"  [{c.status:4}] {c.layer:8} {c.summary}" for c in checks]
+    fix = server_fix(agent, ev, shape)
+    return "\n".join(lines + ([fix] if fix else []) + [
+        "settings that fix what was found" + (" (with the server's fix)" if fix else "") + ":",
+        fixes(agent, url, ev, shape, checks, served_name)])
+
+
 def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], checks: list[LayerCheck],
           served_name: str | None = None) -> str:
     """The settings that fix what the checks found, with values from the probe: Claude
     Code's `env` block, or Codex's provider block."""
     from infercourse.ops.agents import CLAUDE_COMPACT_BUFFER, CLAUDE_WINDOW_ENV, claude_settings, codex_config
     n_ctx = ev.get("n_ctx_slot")
+    if server_fix(agent, ev, shape):   # the settings go with the server as fixed
+        n_ctx = max(n_ctx or 0, window_needed(agent, shape))
     rate = ev.get("prefill_tok_per_s")
     cold = int(shape["prompt_tokens"]) / rate if rate else None
     timeout_s = max(DEFAULT_TIMEOUT_S[agent], 3 * cold) if cold else DEFAULT_TIMEOUT_S[agent]
@@ -274,7 +317,5 @@ def doctor_agent_main(argv: list[str] | None = None) -> int:
         return 1
     checks = grade_agent_route(ev, shape, timeout_s=a.timeout)
     print(f"{a.agent} against {a.url} (first request: {shape['prompt_tokens']} tokens, from {shape['source']})")
-    for c in checks:
-        print(f"  [{c.status:4}] {c.layer:8} {c.summary}")
-    print("\nsettings that fix what was found:\n" + fixes(a.agent, a.url, ev, shape, checks))
+    print(report(a.agent, a.url, ev, shape, checks))
     return 1 if any(c.status == "fail" for c in checks) else 0
