@@ -50,7 +50,7 @@ __all__ = ["HIDDEN", "REPORT_TEMPLATE", "Route", "routes", "replay", "summarize"
 
 # Faults a route can suffer while the session runs, and still be undone at once.
 HIDDEN = ("latency", "slow_first_byte", "cut", "reset", "5xx", "overloaded", "killed")
-# the largest delay fault (see run_incident): under the replay timeout (30 s), and under the 10-s model
+# the largest delay fault (see run_incident): under the faulted engine's 30-s timeout, and under the 10-s model
 # lookup (GET /v1/models) the fault's own first request makes through the delaying proxy (a 12-s delay
 # failed it on a busy 2-core machine, with ReadTimeout)
 MAX_DELAY_S = 8.0
@@ -153,10 +153,16 @@ def _calls(n_calls: int, max_tokens: int) -> Workload:
     return Workload(f"{w.name}-first{n_calls}", reqs)
 
 
+# a guard against a hung route, not a budget: every route sends all its calls, so the routes are
+# compared on the same calls (a 30-s budget let MLX on a 2-core CPU, ~75 s a call, send one of three)
+REPLAY_GUARD_S = 1800
+
+
 def replay(route: Route, n_calls: int, max_tokens: int, out_dir: str | Path, engine=None) -> pd.DataFrame:
-    """The first `n_calls` calls of the agentic session, one after another: one row per call."""
+    """The first `n_calls` calls of the agentic session, one after another: one row per call.
+    Every call is sent however slow the route (`REPLAY_GUARD_S` only stops a hung one)."""
     r = bench.run(engine or route.engine, _calls(n_calls, max_tokens), warmup=0, progress=False,
-                  max_duration_s=30, out_dir=Path(out_dir) / route.key, label=f"route {route.key}")
+                  max_duration_s=REPLAY_GUARD_S, out_dir=Path(out_dir) / route.key, label=f"route {route.key}")
     return r.df.assign(route=route.key)
 
 
@@ -332,7 +338,7 @@ def run_incident(rs: list[Route], seed: int, n_calls: int, max_tokens: int, out_
     delay = None
     if fault in ("latency", "slow_first_byte") and baseline is not None:
         base_e2e = baseline.loc[(baseline["route"] == target.key) & (baseline["status"] == "ok"), "e2e_s"].median()
-        # capped so that a delayed call still ends inside the replay's 30 s timeout
+        # capped so that a delayed call still ends inside the faulted engine's 30-s timeout
         delay = float(min(scale * base_e2e, MAX_DELAY_S)) if base_e2e == base_e2e else None   # NaN: default size
     inc.delay_s = delay
     longest = "\n".join(m["content"] for m in _calls(n_calls, max_tokens).requests[-1].messages)
