@@ -6,6 +6,10 @@ the noise must be called "within noise", not ranked.
 """
 from __future__ import annotations
 
+import ast
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -34,17 +38,51 @@ def _cmp(ratio: float, n: int = 6, spread: float = 0.01, higher_is_better: bool 
     a = 1 + rng.normal(0, spread, n)
     a2 = a * (1 + rng.normal(0, spread, n))
     b = a * ratio * (1 + rng.normal(0, spread, n))
-    return noise.compare(a, b, noise.noise_floor(a, a2), labels=("cb", "nocb"), higher_is_better=higher_is_better)
+    return noise.compare(a, b, noise.noise_floor(a, a2), labels=("batched", "serial"), higher_is_better=higher_is_better)
+
+
+def says(text: str, phrase: str) -> bool:
+    """`phrase` in `text` as whole words: "cb faster" is not in "nocb faster"."""
+    return re.search(rf"(?<![\w-]){re.escape(phrase)}(?![\w-])", text) is not None
 
 
 def test_verdict_sentence_flips_and_says_within_noise():
     slow, fast, same = _cmp(1.5), _cmp(1 / 1.5), _cmp(1.0)
     s, f, n = (claims.verdict_sentence(c, "TTFT p50") for c in (slow, fast, same))
-    assert "cb faster" in s and "nocb faster" in f
-    assert "within noise" in n and "faster" not in n
-    assert "95% interval" in s
+    assert says(s, "batched faster") and not says(s, "serial faster")
+    assert says(f, "serial faster") and not says(f, "batched faster")
+    assert "within noise" in n and "faster" not in n and "A/A rerun's noise" in n
+    assert "95% interval" in s and "at most 0.05 false positives" in s
     few = claims.verdict_sentence(_cmp(1.5, n=2))
     assert "range [" in few and "interval" not in few.split("range")[0]
+    assert "too few pairs" in few and "within noise" not in few and "faster" not in few
+
+
+def test_verdict_sentence_names_the_test_that_ran():
+    """Against a number, not the A/A rerun: the sentence must not claim the rerun's noise, and
+    quotes the test's own level (per side for the band test), whatever ci was."""
+    a = np.linspace(1.0, 1.2, 8)
+    band = claims.verdict_sentence(noise.compare(a, a * 1.5, 0.1))
+    assert "A/A rerun" not in band and "beyond the noise band [0.91, 1.10]" in band
+    assert "at most 0.025 false positives on that side" in band
+    inside = claims.verdict_sentence(noise.compare(a, a * 1.02, 0.1))
+    assert "within noise" in inside and "A/A rerun" not in inside and "inside the noise band" in inside
+    zero = claims.verdict_sentence(noise.compare(a, a * 1.5, 0.0, ci=0.9))
+    assert "beyond chance" in zero and "at most 0.05 false positives on that side" in zero
+
+
+def test_no_flip_test_uses_labels_that_contain_each_other():
+    """A flip test that checks `"cb faster" in s` passes on "nocb faster": every pair of labels
+    or names given to a comparison in the tests must be free of each other (or the test must
+    match whole words, as `says` does)."""
+    bad = []
+    for path in Path(__file__).parent.glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg in ("labels", "names") and isinstance(node.value, ast.Tuple):
+                vals = [e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+                if any(x != y and x in y for x in vals for y in vals):
+                    bad.append(f"{path.name}:{node.lineno}: {vals}")
+    assert not bad, bad
 
 
 def test_ratio_sentence_flips_and_holds_inside_the_band():
@@ -158,7 +196,7 @@ def test_cb_sentence_says_when_the_band_cannot_resolve_the_prediction():
     assert "could **not** resolve" in wide and "within noise" in wide
     cb.attrs.update(noise_floor=0.05, comparisons={"ttft_s_p50": _cmp(short["ttft_ratio"])})
     narrow = cc.cb_sentence(cb, short)
-    assert "could resolve" in narrow and "cb faster" in narrow
+    assert "could resolve" in narrow and says(narrow, "batched faster")
     assert "not compared" in cc.cb_sentence(pd.DataFrame())
 
 

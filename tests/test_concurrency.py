@@ -165,7 +165,7 @@ def test_np_sweep_and_cb_compare_repeat_with_an_aa_arm(monkeypatch):
     table, runs = cc.np_sweep(wl, [1, 2], requests_per_level=2, repeats=2)
     assert sorted(n for n, _ in started) == [1, 1, 1, 1, 2, 2] and len(runs) == 4
     assert list(table.index) == [1, 2] and table.loc[1, "verdict"] == "reference"
-    assert table.loc[2, "verdict"] in {"within noise", "np2 more tok/s", "np1 more tok/s"}
+    assert table.loc[2, "verdict"] == "too few pairs"          # 2 blocks: the joint test needs 3
     assert "A/A" in table.attrs["noise_floor_text"] and "L_server" in table
     started.clear()
     cb = cc.cb_compare(wl, 2, requests=2, repeats=2)

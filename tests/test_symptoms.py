@@ -76,7 +76,7 @@ def test_too_few_pairs_say_so_instead_of_a_bare_within_noise():
     short, aa, long_ = [1.0, 1.1, 0.9, 1.05], [1.02, 1.08, 0.95, 1.0], [5.0, 5.5, 4.8, 5.2]
     two = noise.compare(short[:2], long_[:2], noise.noise_floor(short[:2], aa[:2]), labels=("short", "long"))
     four = noise.compare(short, long_, noise.noise_floor(short, aa), labels=("short", "long"))
-    assert two.verdict == "within noise" and "2 pairs cannot pass a test that needs 3" in two.said
+    assert two.verdict == "too few pairs" and "2 pairs cannot pass a test that needs 3" in two.said
     assert four.verdict == "short faster" and four.said == "short faster"
     for fn in (lesson.context_growth, lesson.cpu_contention):
         assert inspect.signature(fn).parameters["repeats"].default >= two.fewest

@@ -305,7 +305,7 @@ def test_the_log_passes_the_floor_object_so_its_rerun_is_data(tmp_path):
     nf = log.floor("users:ttft_s")
     after = _session(tmp_path, "t", base.change(n_parallel=2), x * 0.5)
     bare = T.decide(session["runs"]["users"].df, after["runs"]["users"].df, "ttft_s", floor=float(nf))
-    assert bare["decision"] == "revert" and "within noise" in bare["why"]
+    assert bare["decision"] == "revert" and "too few pairs" in bare["why"] and "either way" in bare["why"]
     kept = log.trial("n_parallel", after, target="users:ttft_s")
     assert kept["decision"] == "keep" and "relabelled" in kept["test"]
 

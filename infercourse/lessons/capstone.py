@@ -247,7 +247,7 @@ def fastest(baseline: pd.DataFrame, again: pd.DataFrame, metric: str = "ttft_s")
             lines.append(f"- route {y}: no call answered on both routes in both replays; not compared.")
             continue
         lines.append(f"- {claims.verdict_sentence(cx, name)} With route {y}'s own A/A rerun as the reference: "
-                     f"{cy.verdict} (p = {cy.p:.2g}).")
+                     f"{cy.said} (p = {cy.p:.2g}).")
     if winner:
         lines.append(f"**Route {winner} answered fastest**: its {name} beat every other route's beyond the A/A "
                      "noise of both routes compared.")
@@ -283,7 +283,7 @@ def changed_most(baseline: pd.DataFrame, incident: pd.DataFrame,
     if new_errors.iloc[0] > 0:
         route = new_errors.index[0]
         return route, f"{int(i['errors'][route])} of {int(i['calls'][route])} calls failed ({i['first error'][route]})"
-    beyond = {}
+    beyond, few = {}, []
     for route in i.index:
         both = pd.concat([_per_call(baseline, route), _per_call(incident, route)], axis=1, join="inner").dropna()
         if len(both):
@@ -291,8 +291,10 @@ def changed_most(baseline: pd.DataFrame, incident: pd.DataFrame,
                               labels=("baseline", "incident"))
             if c.verdict == "baseline faster":
                 beyond[route] = c
+            few += [f"{route} ({c.said})"] if c.too_few else []
     if not beyond:
-        return None, "no route changed beyond its A/A noise floor: look for errors in the doctor snapshots"
+        unjudged = f"; too few calls to judge on {', '.join(few)}" if few else ""
+        return None, f"no route changed beyond its A/A noise floor{unjudged}: look for errors in the doctor snapshots"
     route = max(beyond, key=lambda r: beyond[r].interval.median)
     return route, f"median end-to-end x{beyond[route].interval.median:.1f} the baseline's ({beyond[route].text})"
 

@@ -23,7 +23,7 @@ Reading the curve this module measures (the knee, goodput, what limits it) is in
 `lessons.goodput`.
 
 Every comparison is repeated and interleaved (`measure.noise`): each level runs
-`repeats` times in ABBA order (mirrored rounds, an even count, so a drift cancels) beside
+`repeats` times in shuffled blocks (`measure.interleave`: the order inside a block is chance) beside
 an A/A rerun of the first level, and a gain counts only when a permutation test of the
 level against the first level and its rerun says so (at most 5% false positives). Little's law is checked against an
 independent L: llama-server's own `requests_processing + requests_deferred`, sampled
@@ -148,8 +148,8 @@ def np_sweep(workload: Workload, levels: Sequence[int], *, requests_per_level: i
              threads: int | None = None, ctx_per_slot: int = 512, extra_args: Sequence[str] = (),
              out_dir: str | Path | None = None, repeats: int = 1) -> tuple[pd.DataFrame, list[bench.BenchResult]]:
     """For each level N: a llama-server with N slots (`-np N`) loaded by N closed-loop users,
-    `repeats` times in ABBA order (an odd count > 1 gets one more round, so the mirrored
-    rounds pair up and a drift cancels), plus (repeats >= 2) an A/A rerun of the first level.
+    `repeats` times in shuffled blocks (`measure.interleave`), plus (repeats >= 2) an A/A
+    rerun of the first level.
 
     Returns one row per level (the median over repeats of: throughput, p50/p95 TTFT/TPOT/E2E,
     mean E2E, and `L_server`, the server's own mean requests processing + deferred) and the
@@ -272,7 +272,7 @@ def staggered(workload: Workload, factors: Sequence[float] = (0.25, 1.0, 2.0)) -
 def cb_compare(workload: Workload, concurrency: int, *, requests: int, model=None, threads: int | None = None,
                ctx_per_slot: int = 512, out_dir: str | Path | None = None, repeats: int = 1) -> pd.DataFrame:
     """The same load with continuous batching on (`-cb`) and off (`-nocb`), `repeats` times
-    in ABBA order (made even, as in `np_sweep`) with (repeats >= 2) an A/A rerun of `-cb`.
+    in shuffled blocks (as in `np_sweep`) with (repeats >= 2) an A/A rerun of `-cb`.
     Pass a `staggered` workload: with identical lengths the two cannot differ. One row per
     setting (median over repeats); `attrs["verdict"]` judges TTFT p50 (`noise.compare_arms`;
     a p95 of a handful of requests has no interval), `attrs["comparisons"]` holds TTFT p50,

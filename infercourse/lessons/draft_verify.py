@@ -183,7 +183,7 @@ def compare_drafters(model, ids: Sequence[int], max_new: int, drafters: dict, *,
             wall[label].append(time.perf_counter() - t0)    # an arm's trials run in block order
             return time.process_time() - c0
         return go
-    cpu = noise.run_interleaved({a: timed(a) for a in arms}, repeats, pattern="rotate", warmup=0)
+    cpu = noise.run_interleaved({a: timed(a) for a in arms}, repeats, warmup=0)
     floor = noise.noise_floor(cpu[ref], cpu[aa]) if aa else None
     rows = []
     for name in drafters:
@@ -255,13 +255,13 @@ def pass_cost(model, ids: Sequence[int], widths: Sequence[int] = (1, 3, 11), *, 
                 return (time.process_time() - c0) / passes
             return go
         arms = {f"{k}": timed(k) for k in widths} | {"1 (A/A)": timed(1)}
-        cpu = noise.run_interleaved(arms, repeats, pattern="rotate", warmup=1)
+        cpu = noise.run_interleaved(arms, repeats, warmup=1)
     floor = noise.noise_floor(cpu["1"], cpu["1 (A/A)"])
     rows = []
     for k in widths:
         iv, c = noise.paired_interval(cpu["1"], cpu[f"{k}"]), noise.compare(cpu["1"], cpu[f"{k}"], floor)
-        verdict = {"A faster": "costs more than 1 position", "B faster": "cheaper than 1 position"}.get(
-            c.verdict, "within noise of 1 position")
+        verdict = {"A faster": "costs more than 1 position", "B faster": "cheaper than 1 position",
+                   noise.TOO_FEW: c.said}.get(c.verdict, "within noise of 1 position")
         rows.append({"positions": k, "cpu_ms_per_pass": 1e3 * float(np.median(cpu[f"{k}"])), "cost_vs_1": iv.median,
                      "cost_vs_1_lo": iv.lo, "cost_vs_1_hi": iv.hi, "verdict": "reference" if k == 1 else verdict})
     out = pd.DataFrame(rows).set_index("positions")

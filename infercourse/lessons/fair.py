@@ -232,7 +232,7 @@ def explain(rows: pd.DataFrame, runs: dict[str, Run], predicted_ratio: float,
         out.append(f"- Decode rate, {base} ÷ {other}: {r:.2f}× ({note}); the bytes alone predicted "
                    f"{predicted_ratio:.1f}×. That ratio mixes *quantization* with the engines: the table labels it.")
     if paired is not None:
-        out.append(f"- Same runtime behind HTTP, TTFT of one agent call, interleaved: **{paired['comparison'].verdict}** "
+        out.append(f"- Same runtime behind HTTP, TTFT of one agent call, interleaved: **{paired['comparison'].said}** "
                    f"({paired['comparison'].text}); {paired['floor'].text()}.")
     elif {base, "llama-server"} <= set(runs):
         out.append("- llama-server against in process: one sequential run per route cannot separate a server's "
@@ -251,15 +251,11 @@ def server_vs_in_process(request: Request, *, threads: int, ctx_size: int, repea
 
     Both routes are open at once; each trial sends `WARMUP` (so no trial starts with the
     call's prefix cached) and then `request`, and keeps its TTFT. Each block runs in process,
-    llama-server, in process again (the A/A floor), and the next block mirrors it
-    (`noise.schedule`, "ABBA"): each reference runs first in half the blocks (after the other
-    reference) and last in the other half (after the server), at any even number of blocks,
-    so an effect of position or of the preceding run hits both alike; the server always sits
-    between its two references, so a drift within a block moves it as much as their mean; it
-    always follows an in-process run, which its own warm-up request is there to absorb. (A
-    rotation of three arms balances positions only every 6 blocks: at 2 or 4 the rerun sat in
-    the middle most of the time.) The verdict (`noise.compare`) is a permutation test against
-    the A/A rerun; `fair_claims.order_sentence` looks for an order effect in the A/A pairs.
+    llama-server and in process again (the A/A floor) in a shuffled order (`noise.schedule`,
+    seeded, returned as "order"): with a fixed order (ABBA put the server in the middle of
+    every block) whatever a slot costs reads as an effect; shuffled, which run carries which
+    label is chance, as the verdict's permutation test against the A/A rerun assumes.
+    `fair_claims.order_sentence` looks for an order effect in the A/A pairs.
 
     Returns {"values": {arm: [TTFT s per block]}, "order": [(block, arm)] as run,
     "floor": NoiseFloor, "comparison": Comparison}.
@@ -281,16 +277,16 @@ def server_vs_in_process(request: Request, *, threads: int, ctx_size: int, repea
             record(engine, WARMUP, raise_errors=True)
             return metrics.ttft_s(record(engine, cold, raise_errors=True))
         arms = {"in process": lambda: ttft(a), "llama-server": lambda: ttft(b), "in process (A/A)": lambda: ttft(a)}
-        vals = noise.run_interleaved(arms, repeats, pattern="ABBA", warmup=1)
+        vals = noise.run_interleaved(arms, repeats, warmup=1)
     floor = noise.noise_floor(vals["in process"], vals["in process (A/A)"])
-    return {"values": vals, "order": noise.schedule(list(arms), repeats, "ABBA"), "floor": floor,
+    return {"values": vals, "order": vals.order, "floor": floor,
             "comparison": noise.compare(vals["in process"], vals["llama-server"], floor,
                                         labels=("in process", "llama-server"))}
 
 
 def thread_scaling(request: Request, threads: tuple[int, int], *, ctx_size: int, repeats: int = 2) -> dict[str, Any]:
-    """Call `request` on llama.cpp in process at two thread counts, interleaved ("ABBA",
-    `noise.run_arms`), each call cold (`cache_prompt=False`): how much do TTFT (prefill,
+    """Call `request` on llama.cpp in process at two thread counts, interleaved (shuffled
+    blocks, `noise.run_arms`), each call cold (`cache_prompt=False`): how much do TTFT (prefill,
     arithmetic-bound) and decode (bandwidth-bound) gain from more threads?
 
     Returns {"ttft_speedup": median paired TTFT(fewer) / TTFT(more), "decode_speedup":

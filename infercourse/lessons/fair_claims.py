@@ -252,9 +252,9 @@ def order_sentence(paired: Mapping[str, Any], ref: str = "in process", aa: str =
                        "one side), so this run cannot tell an order effect from noise.")
     if p_late <= 0.05:
         return head + (f" A position effect (sign test p = {p_late:.2g}): whichever runs later in a block takes "
-                       f"{'longer' if late > n / 2 else 'less time'}. The mirrored schedule puts each reference "
-                       "first in half the blocks and last in the other half, with the server between them, so it "
-                       "cancels from the comparison; it widens the A/A floor, which makes the verdict cautious.")
+                       f"{'longer' if late > n / 2 else 'less time'}. The schedule shuffles each block, so which "
+                       "arm sat where was chance, as the relabelling test assumes: a position effect adds noise, "
+                       "not a false verdict, and widens the A/A floor, which makes the verdict cautious.")
     if p <= 0.05:
         return head + (f" A split this one-sided has p = {p:.2g} under pure noise: two runs of the same thing "
                        "differ systematically, and not by their position in the block. Look for state one arm "

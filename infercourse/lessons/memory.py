@@ -150,7 +150,7 @@ def decode_vs_context(engine, tokenize, contexts: Sequence[int], *, max_tokens: 
                       bandwidth_gbs: float | None = None, repeats: int = 1) -> pd.DataFrame:
     """Decode speed (the server's own `predicted_per_second`) after prompts of each length,
     beside the bandwidth ceiling at that context when a card and bandwidth are given.
-    With repeats >= 2 the lengths run interleaved (rotating), the shortest twice per round
+    With repeats >= 2 the lengths run interleaved (shuffled per round), the shortest twice per round
     (its A/A floor), and each row says whether it is slower than the shortest beyond noise.
 
     Args:
@@ -166,7 +166,7 @@ def decode_vs_context(engine, tokenize, contexts: Sequence[int], *, max_tokens: 
                                               cache_prompt=False)).engine_timings.get("predicted_per_second")
     ref = f"{contexts[0]} tokens"
     arms = {f"{n} tokens": one(n) for n in contexts} | ({"A/A": one(contexts[0])} if repeats > 1 else {})
-    speeds = noise.run_interleaved(arms, repeats, pattern="rotate", warmup=0)
+    speeds = noise.run_interleaved(arms, repeats, warmup=0)
     judged, floor = _judged(speeds, ref, "A/A")
     rows = []
     for n in contexts:
@@ -186,7 +186,7 @@ def kv_type_table(model=None, kv_types: Sequence[str] = ("f16", "q8_0", "q4_0"),
     """For each KV-cache type: the KV buffer llama-server allocates (from its log), its RSS,
     decode speed after a `prompt_tokens` prompt (server timings), and the mean NLL of the
     eval text with that cache type (quality; lower is better). The servers run side by side
-    and the timed requests interleave (rotating), the first type twice per round for its
+    and the timed requests interleave (shuffled per round), the first type twice per round for its
     A/A floor: `vs_<first>` (median paired ratio), its interval and `verdict`.
 
     Args:
@@ -209,7 +209,7 @@ def kv_type_table(model=None, kv_types: Sequence[str] = ("f16", "q8_0", "q4_0"),
         def one(t: str):
             def timed():
                 # a short untimed request to the same server first: otherwise the A/A rerun, which
-                # the rotation always puts after another server's request, starts colder than its
+                # an order puts after another server's request, starts colder than its
                 # reference (which often follows it on the same server): 11 printed A2/A 0.83
                 _complete(srvs[t].url, "Hello", 2, cache_prompt=False)
                 return httpx.post(srvs[t].url + "/completion", json={
@@ -217,7 +217,7 @@ def kv_type_table(model=None, kv_types: Sequence[str] = ("f16", "q8_0", "q4_0"),
                     timeout=300).json()["timings"].get("predicted_per_second")
             return timed
         arms = {t: one(t) for t in kv_types} | ({"A/A": one(kv_types[0])} if repeats > 1 else {})
-        speeds = noise.run_interleaved(arms, repeats, pattern="rotate", warmup=0)
+        speeds = noise.run_interleaved(arms, repeats, warmup=0)
     judged, floor = _judged(speeds, kv_types[0], "A/A")
     for t in kv_types:
         rows[t].update(judged[t], nll=kv_type_nll(model, t, n_threads=threads or 2))

@@ -8,7 +8,7 @@ or alias, loading each on demand. What it costs depends on how many fit at once:
 
 - `alias_routing`: which names answer, and what an unknown name gets (HTTP 400);
 - `swap_trials`: the same alternating requests at `models_max` 2 (both resident) and 1
-  (every switch reloads), in interleaved ABBA blocks with an A/A rerun of the resident
+  (every switch reloads), in interleaved, shuffled blocks with an A/A rerun of the resident
   arm; the loads as the router's own log times them (`load_times`), and the memory held;
 - `sleep_trials`: a model freed after idle seconds pays a reload on its next request
   (what Ollama's `OLLAMA_KEEP_ALIVE` does after 5 minutes), against the same model awake;
@@ -148,7 +148,7 @@ def _warm(routers: Iterable[LlamaRouter], models: Sequence[str], max_tokens: int
 
 def swap_trials(presets=None, *, repeats: int = 4, sequence: Sequence[str] = ("fast", "main"),
                 max_tokens: int = 8, **router_kw: Any) -> dict[str, Any]:
-    """The same alternating `sequence` on two routers at once, in ABBA blocks: models_max 2
+    """The same alternating `sequence` on two routers at once, in shuffled blocks: models_max 2
     (arm "resident" and its A/A rerun "resident A/A") and models_max 1 (arm "swap": every
     switch evicts one model and loads the other).
 
@@ -197,6 +197,8 @@ def _verdict_lines(wide: pd.DataFrame, what: str, a_wins: str, b_wins: str, neit
     a, _, b = wide.columns[:3]
     ma, mb = float(wide[a].median()), float(wide[b].median())
     head = {f"{a} faster": a_wins, f"{b} faster": b_wins}.get(cmp.verdict, neither)
+    if cmp.too_few:
+        head = f"- **No verdict on the {{what}}** ({b}: {{b}}, {a}: {{a}}): {cmp.said}; this run cannot rank them."
     return [head.format(a=f"{ma:.3g} s", b=f"{mb:.3g} s", what=what), f"  - {floor.text()}",
             f"  - {cmp.text}"]
 
@@ -263,7 +265,7 @@ def guess_text(guess_s: float | None, floor_s: float, measured_s: float) -> str:
 
 def sleep_trials(presets=None, *, model: str = "fast", sleep_idle_s: int = 1, repeats: int = 4,
                  max_tokens: int = 8, **router_kw: Any) -> dict[str, Any]:
-    """ABBA blocks of a request to `model` awake, its A/A rerun, and one after the model fell
+    """Shuffled blocks of a request to `model` awake, its A/A rerun, and one after the model fell
     asleep: we wait until the router reports "sleeping" (an event, not a clock).
 
     Returns {"requests": one row per request with the status it found, "rss_awake_mib",
@@ -308,7 +310,7 @@ def sleep_text(result: Mapping[str, Any]) -> str:
 def mixed_trials(presets=None, *, shares: Mapping[str, float] | None = None, repeats: int = 4, n: int = 10,
                  max_tokens: int = 8, concurrency: int = 1, seed: int = 0, out_dir: str | Path | None = None,
                  **router_kw: Any) -> pd.DataFrame:
-    """An agent's mix of models (default 80 % main, 20 % fast) through `bench.run`, in ABBA
+    """An agent's mix of models (default 80 % main, 20 % fast) through `bench.run`, in shuffled
     blocks: models_max 2, its A/A rerun, and models_max 1 (each switch in the mix a swap).
     Block i sends the same assignment of models to every arm (bench salts each run's
     prompts, so no trial hits another's prefix). One row per request, with block and arm."""

@@ -19,8 +19,8 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")   # x86 instructions that multiply bflo
 
 
 def speed_class(row) -> str:
-    """"reference", "faster", "slower" or "within noise", from the row's `decode_verdict`
-    (`noise.compare` says "<winner> faster" or "within noise")."""
+    """"reference", "faster", "slower", "within noise" or "too few pairs", from the row's
+    `decode_verdict` (`noise.compare` says "<winner> faster", "within noise" or "too few pairs")."""
     v = row["decode_verdict"]
     if v == "reference":
         return v
@@ -28,7 +28,7 @@ def speed_class(row) -> str:
         return "faster"
     if v == f"{row['speedup_vs']} faster":
         return "slower"
-    return "within noise"
+    return "too few pairs" if v == "too few pairs" else "within noise"
 
 
 def _ratio(row) -> str:
@@ -55,8 +55,8 @@ def speed_text(df) -> str:
             continue
         first = g.iloc[0]
         classes = {c: [_ratio(r) for _, r in g.iterrows() if speed_class(r) == c]
-                   for c in ("faster", "slower", "within noise")}
-        said = "; ".join(f"{c} than {ref}: {', '.join(v)}" if c != "within noise" else f"within noise: {', '.join(v)}"
+                   for c in ("faster", "slower", "within noise", "too few pairs")}
+        said = "; ".join(f"{c} than {ref}: {', '.join(v)}" if c in ("faster", "slower") else f"{c}: {', '.join(v)}"
                          for c, v in classes.items() if v)
         short = [r.format for _, r in g.iterrows() if r.decode_speedup_hi < r.bytes_speedup]
         out.append(f"- **Speed against {ref}** (decode tok/s, median paired ratio [range] over {int(first.repeats)} "
@@ -90,7 +90,8 @@ def bf16_text(df, has_bf16: bool | None) -> str:
            None: "Whether this CPU has bfloat16 instructions could not be read here."}[has_bf16]
     said = {"faster": "decoded faster than fp32: halving the bytes paid off",
             "slower": "decoded slower than fp32 despite half the bytes",
-            "within noise": "decoded within noise of fp32: half the bytes bought no speed measurable here"}[cls]
+            "within noise": "decoded within noise of fp32: half the bytes bought no speed measurable here",
+            "too few pairs": "was measured on too few pairs to rank against fp32, either way"}[cls]
     return f"**bf16 on this machine.** bf16 {said} ({_ratio(r)}). {cpu}"
 
 

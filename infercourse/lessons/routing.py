@@ -61,8 +61,9 @@ def _policy_row(df: pd.DataFrame) -> dict[str, Any]:
 def policy_trials(group, script, n_sessions: int, *, repeats: int = 2, out_dir: str | Path | None = None,
                   **run: Any) -> dict[str, Any]:
     """Round-robin against cache-aware on the same replicas: `repeats` blocks, each running
-    round-robin, its A/A rerun and cache-aware once, in rotated and mirrored order (every
-    policy opens some blocks and closes others, so a drift cancels), each on a fresh router.
+    round-robin, its A/A rerun and cache-aware once, in a shuffled order (`noise.schedule`:
+    which policy sits where is chance, as the verdict's relabelling assumes), each on a fresh
+    router.
 
     Returns {"trials": one row per run (block, arm, policy, `_policy_row`), "runs",
     "verdict": cache-aware against round-robin on the later turns' TTFT p50 (a
@@ -70,7 +71,7 @@ def policy_trials(group, script, n_sessions: int, *, repeats: int = 2, out_dir: 
 
     Args:
         group: a running `ReplicaGroup`; script, n_sessions, run: for `sessions.run_sessions`.
-        repeats: blocks (an odd count > 1 gets one more: mirrored pairs).
+        repeats: blocks.
         out_dir: each run writes `<arm>[-r<block>]/` under it.
     """
     from infercourse.measure import sessions as ss
@@ -81,7 +82,7 @@ def policy_trials(group, script, n_sessions: int, *, repeats: int = 2, out_dir: 
                             label=label, **run)
         return {"policy": policy, **_policy_row(r.df)}, r
 
-    trials, runs = noise.run_arms(POLICY_ARMS, repeats, trial, pattern="rotate")
+    trials, runs = noise.run_arms(POLICY_ARMS, repeats, trial)
     return {**judge_policies(trials), "runs": runs}
 
 

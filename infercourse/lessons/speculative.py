@@ -249,11 +249,10 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
     `noise_floor` (the A/A floor for that baseline and prompt) and `verdict`
     (`measure.noise.compare`: the baseline, its rerun and the config tested as one block).
 
-    The repeats run in rounds (`measure.noise.schedule`, ABBA): each round builds every
-    configuration once, warms it, runs every prompt once and drops it, and each round's
-    order is the previous one's mirror. Pair i is round i, minutes apart at most, and a
-    machine that drifts during the run cannot favour whichever configuration ran first.
-    An odd `repeats` (> 1) gets one more round, so the mirrors pair up.
+    The repeats run in rounds (`measure.noise.schedule`): each round builds every
+    configuration once, warms it, runs every prompt once and drops it, in an order shuffled
+    per round (seeded). Pair i is round i, minutes apart at most, and which configuration
+    ran first in a round is chance, as the verdict's relabelling test assumes.
 
     Args:
         engine_factories: {config name: zero-argument callable returning an engine};
@@ -280,7 +279,7 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
     baselines = dict(baselines or {n: names[0] for n in names})
     aa = {f"{b} (A/A)": b for b in dict.fromkeys(baselines.values())} if repeats > 1 else {}
     rows = []
-    for rep, name in noise.schedule(names + list(aa), repeats):     # rounds, mirrored: drift cancels
+    for rep, name in noise.schedule(names + list(aa), repeats):     # rounds, each shuffled
         engine = engine_factories[aa.get(name, name)]()
         flags = getattr(engine, "flags", {})
         uses_lookup = "prompt-lookup" in (flags.get("draft"), flags.get("assistant"))
@@ -349,6 +348,8 @@ def outcome(verdict: str, config: str, baseline: str) -> str:
         return f"slower than {baseline}, beyond the A/A noise"
     if verdict == "within noise":
         return f"within noise of {baseline}: this run cannot rank them"
+    if verdict == "too few pairs":
+        return f"too few pairs to rank against {baseline}: no verdict either way"
     return verdict
 
 
@@ -393,8 +394,8 @@ def explain_speculation(df, baselines: Mapping[str, str], server_df=None, *, sel
     judged = df[df["config"] != df["config"].map(baselines)]
     if "fewest_pairs" in df and len(judged) and (judged["speed_up_pairs"] < judged["fewest_pairs"]).any():
         n, need = int(judged["speed_up_pairs"].min()), int(judged["fewest_pairs"].max())
-        out += (f"\n\nWith {n} pairs the permutation test can never pass (it needs at least {need}): every row "
-                "above is within noise by construction, whatever its median. Raise `REPEATS` to rank anything.")
+        out += (f"\n\nWith {n} pairs the permutation test can never pass (it needs at least {need}): those rows "
+                "are unranked by construction, whatever their medians, not alike. Raise `REPEATS` to rank anything.")
     out += (f"\n\nWhere the guesses hit (≥ {hit:g} tokens per target pass): {'; '.join(hits) or 'nowhere'}. "
             f"Where they rarely did: {'; '.join(misses) or 'nowhere'}.")
     for _, r in df[df["config"] == self_draft].iterrows():
@@ -418,5 +419,5 @@ def loop_verdicts(loops) -> str:
     rest = loops[loops["drafter"] != ref]
     if "fewest_pairs" in loops and len(rest) and (rest["speed_up_pairs"] < rest["fewest_pairs"]).any():
         out += (f"\n\nWith {int(rest['speed_up_pairs'].min())} pairs the test can never pass (it needs at least "
-                f"{int(rest['fewest_pairs'].max())}): within noise by construction.")
+                f"{int(rest['fewest_pairs'].max())}): too few pairs to rank, by construction.")
     return out

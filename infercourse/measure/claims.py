@@ -31,7 +31,8 @@ def interval_word(exact: bool) -> str:
 
 def verdict_sentence(c: Any, what: str = "") -> str:
     """One `noise.Comparison` in words: the median paired ratio, its interval (or range),
-    and what the permutation test allows us to say.
+    and what the permutation test allows us to say, against what it judged (the A/A rerun,
+    a noise band, or no change) and at its own level.
 
     Args:
         c: a `noise.Comparison` (B against A).
@@ -41,12 +42,19 @@ def verdict_sentence(c: Any, what: str = "") -> str:
     iv = c.interval
     head = f"{what + ': ' if what else ''}{b} ÷ {a} = {iv.median:.2f}× (median of {iv.n} paired ratios, " \
            f"{interval_word(iv.exact)} [{iv.lo:.2f}, {iv.hi:.2f}])"
+    side = " on that side" if c.against != "the A/A rerun" else ""
+    if c.too_few:
+        return (f"{head}: too few pairs to judge: with {iv.n} pairs this test ({c.test}) can never pass "
+                f"(it needs {c.fewest}), so this run cannot rank them, nor say they are alike.")
     if c.within_noise:
-        few = f"; with {iv.n} pairs this test can never pass (it needs {c.fewest})" if c.too_few else ""
         lean = "above" if iv.median > 1 else "below" if iv.median < 1 else "at"
-        return (f"{head}: within noise. The median lies {lean} 1, but a difference this size is one the A/A "
-                f"rerun's noise can produce (p = {c.p:.2g}){few}; this run cannot rank them.")
-    return f"{head}: {c.verdict}, beyond the A/A noise (p = {c.p:.2g}, at most 5% false positives)."
+        src = "the A/A rerun's noise" if c.against == "the A/A rerun" else \
+            "chance" if c.against == "no change" else f"noise inside {c.against}"
+        return (f"{head}: within noise. The median lies {lean} 1, but a difference this size is one {src} "
+                f"can produce (p = {c.p:.2g}, above {c.level:.3g}{side}); this run cannot rank them.")
+    beyond = "beyond the A/A rerun's noise" if c.against == "the A/A rerun" else \
+        "a change beyond chance" if c.against == "no change" else f"beyond {c.against}"
+    return f"{head}: {c.verdict}, {beyond} (p = {c.p:.2g}, at most {c.level:.3g} false positives{side})."
 
 
 def mean_vs_median(x: Sequence[float], name: str, *, scale: float = 1e3, unit: str = "ms",

@@ -6,11 +6,10 @@ survive the noise:
 
 1. **Check the machine first** (`contention`, see `measure.contention`): a busy machine
    does not forbid a measurement, but the learner must read the conclusions knowing it.
-2. **Interleave** (`schedule`, `run_interleaved`): trial i of each arm runs in block i,
-   *pair i*, so a drift between blocks hits both alike. Inside a block one arm runs first,
-   so every block is followed by its mirror (A B, B A: ABBA): a linear drift adds +x to
-   one pair's ratio and -x to the next, and cancels. Hence an even number of blocks (an
-   odd `repeats` is rounded up: with 3, the median takes the lean of the two alike).
+2. **Interleave** (`measure.interleave`: `schedule`, `run_interleaved`, `run_arms`): trial
+   i of each arm runs in block i, *pair i*, so a drift between blocks hits all arms alike,
+   and the order inside each block is shuffled (seeded, recorded), so that which run of a
+   block carries which label is chance, as the test below assumes.
 3. **Measure the noise floor** (`noise_floor`): run the *same* configuration twice,
    interleaved (A/A). Whatever difference A/A shows is noise by construction.
 4. **Test the paired difference** (`compare`), not "the whole interval clears the A/A
@@ -32,11 +31,15 @@ survive the noise:
     block holds A, A2 and B; T = mean of log b - (log a + log a2) / 2. If B is only A
     again, which of a block's three runs carries the label B is chance: the 3^n
     relabellings give T's null distribution, and p = the share with |T| at least the
-    observed. False positives <= 5% by construction, power that rises with the pairs
-    (3 can reach p = 1/27): the rerun is data, a second reference in every block.
+    observed. False positives <= 5% by construction *when the order inside each block was
+    chance* (the shuffled schedule; a fixed order lets a position cost read as an effect),
+    power that rises with the pairs (3 can reach p = 1/27): the rerun is data, a second
+    reference in every block.
   - *With a number for the floor* (or an A/A of other trials), log r_i is sign-flipped
     against the band's edges: B differs when its mean lies beyond ±log(1 + floor) at
     p <= 2.5% on that side (floor 0: "no change"). 2^n patterns: 6 pairs at least.
+  With fewer pairs than a test needs (k^n relabellings can never give p <= its level) the
+  verdict is "too few pairs", never "within noise": no evidence either way.
   A mean of logs: one wild run pulls every relabelling with it, so it makes the test
   cautious, not credulous. Exact up to 2^17 relabellings, else 20,000 seeded ones (the
   same data always get the same verdict).
@@ -49,77 +52,21 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from infercourse.core.summary import order_stat_ci
+from infercourse.measure.interleave import Interleaved, run_arms, run_interleaved, schedule  # noqa: F401
 from infercourse.measure.contention import (MAX_LOAD_PER_CORE, MIN_CPU_SHARE, Contention, contention,  # noqa: F401
                                             cpu_share, judge, load_per_core, runnable_others)
 
 __all__ = ["Contention", "cpu_share", "load_per_core", "runnable_others", "judge", "contention", "schedule",
            "run_interleaved", "PairedInterval", "paired_interval", "NoiseFloor",
-           "noise_floor", "band_text", "Comparison", "compare", "run_arms", "compare_arms"]
+           "noise_floor", "band_text", "TOO_FEW", "Comparison", "compare", "run_arms", "compare_arms"]
 
 EXACT_MAX = 1 << 17     # enumerate every relabelling up to this many; sample beyond
 SAMPLES = 20_000        # seeded relabellings when there are more
-
-
-# ---- 2. interleaved scheduling ----------------------------------------------------------------
-def schedule(arms: Sequence[str], repeats: int, pattern: str = "ABBA") -> list[tuple[int, str]]:
-    """The order to run trials in: a list of (block, arm); block i holds trial i of each arm.
-
-    "ABBA" and "rotate" follow every block with its mirror image, so a linear drift adds
-    opposite amounts to consecutive pairs and cancels; an odd `repeats` (> 1) is therefore
-    rounded up to the next even number of blocks. Read the block count from the result.
-
-    Args:
-        arms: arm labels, e.g. ("A", "B") or ("A", "A2", "B") for A/A and A/B together.
-        repeats: trials per arm (blocks).
-        pattern: "ABBA" (A B, B A, A B, B A, ...), "rotate" (a Latin square, each rotation
-            followed by its mirror: A B C, C B A, B C A, A C B, ...: every arm also opens
-            some blocks), or "alternate" (A B, A B, ...: A always first; drift NOT cancelled,
-            kept to show the bias).
-    """
-    if pattern not in ("alternate", "ABBA", "rotate"):
-        raise ValueError(f"pattern must be 'alternate', 'ABBA' or 'rotate', got {pattern!r}")
-    if repeats < 1 or not arms:
-        raise ValueError("need at least one arm and one repeat")
-    mirrored = pattern != "alternate"
-    blocks = repeats + (repeats % 2 if mirrored and repeats > 1 else 0)
-    k, out = len(arms), []
-    for i in range(blocks):
-        order = list(arms)
-        if pattern == "rotate":
-            j = (i // 2) % k
-            order = order[j:] + order[:j]
-        if mirrored and i % 2:
-            order.reverse()
-        out += [(i, a) for a in order]
-    return out
-
-
-def run_interleaved(arms: Mapping[str, Callable[[], float]], repeats: int, *,
-                    pattern: str = "ABBA", warmup: int = 1) -> dict[str, list[float]]:
-    """Run each arm's measurement once per block of `schedule` (`repeats`, made even).
-
-    Returns {arm: [value of block 0, block 1, ...]}: values at the same index form a pair.
-
-    Args:
-        arms: label -> a callable that runs one trial and returns one number (a median
-            TTFT in s, a tok/s...). Pass the same callable under two labels for A/A.
-        repeats: trials per arm (an odd count > 1 gets one more, see `schedule`).
-        pattern: see `schedule`.
-        warmup: untimed calls of each arm first (caches, page faults, a cold server).
-    """
-    for fn in arms.values():
-        for _ in range(warmup):
-            fn()
-    order = schedule(list(arms), repeats, pattern)
-    out: dict[str, list[float]] = {a: [math.nan] * (order[-1][0] + 1) for a in arms}
-    for block, arm in order:
-        out[arm][block] = float(arms[arm]())
-    return out
 
 
 # ---- 3. paired intervals, the A/A floor --------------------------------------------------------
@@ -265,40 +212,50 @@ def _fewest(k: int, level: float) -> int:
     return max(1, math.ceil(math.log(1 / level) / math.log(k) - 1e-9))
 
 
+TOO_FEW = "too few pairs"
+
+
 @dataclass(frozen=True)
 class Comparison:
     """The verdict on B against A, and the numbers behind it."""
-    verdict: str            # "<A> faster", "<B> faster" (or another `word`) or "within noise"
+    verdict: str            # "<A> faster", "<B> faster" (or another `word`), "within noise", or
+    #                         "too few pairs": fewer than this test needs ever to call a difference
     interval: PairedInterval
     floor: float
     labels: tuple[str, str]
     p: float = math.nan     # the test's p-value (the side that was tested, for the margin test)
     test: str = ""          # which test: "A, A/A, B relabelled" or "sign flips against the band"
     fewest: int = 0         # pairs below which this test can never say "different"
+    level: float = 0.05     # the largest p that calls a difference (per side for the band test)
+    against: str = "the A/A rerun"   # what B was judged against: the rerun, a band, or no change
 
     @property
     def within_noise(self) -> bool:
+        """The test could have called a difference and did not."""
         return self.verdict == "within noise"
 
     @property
     def too_few(self) -> bool:
-        """Fewer pairs than this test needs ever to call a difference: "within noise" then
-        is no evidence of no effect."""
+        """Fewer pairs than this test needs ever to call a difference: no verdict either way."""
         return self.interval.n < self.fewest
 
     @property
+    def decided(self) -> bool:
+        """One arm was called better."""
+        return not (self.within_noise or self.too_few)
+
+    @property
     def said(self) -> str:
-        """The verdict, saying so when its pairs were too few for the test ever to pass."""
+        """The verdict, with the pair count a "too few pairs" rests on."""
         if self.too_few:
-            return f"{self.verdict}: {self.interval.n} pairs cannot pass a test that needs {self.fewest}"
+            return f"{TOO_FEW}: {self.interval.n} pairs cannot pass a test that needs {self.fewest}"
         return self.verdict
 
     @property
     def text(self) -> str:
         a, b = self.labels
-        few = f"; under {self.fewest} pairs it never passes" if self.too_few else ""
-        return (f"{self.verdict}: {self.interval.text(f'{b}/{a}')}, noise band {band_text(self.floor)}; "
-                f"{self.test}: p = {self.p:.2g}{few}")
+        return (f"{self.said}: {self.interval.text(f'{b}/{a}')}, noise band {band_text(self.floor)}; "
+                f"{self.test}: p = {self.p:.2g}")
 
     def __str__(self) -> str:
         return self.text
@@ -308,6 +265,7 @@ def compare(a: Sequence[float], b: Sequence[float], floor: float | NoiseFloor | 
             higher_is_better: bool = False, labels: tuple[str, str] = ("A", "B"),
             ci: float = 0.95, word: str = "faster") -> Comparison:
     """"A faster", "B faster" or "within noise", from a permutation test on log ratios
+    ("too few pairs" when there are fewer than the test needs ever to call a difference)
     (module docstring): with the `NoiseFloor` of these same `a` trials, A, its A/A rerun
     and B are relabelled within each block; else log(b/a) is sign-flipped against the
     band ±log(1 + floor). False positives <= 1 - ci either way.
@@ -329,42 +287,20 @@ def compare(a: Sequence[float], b: Sequence[float], floor: float | NoiseFloor | 
     if isinstance(floor, NoiseFloor) and len(floor.a) == len(a_) and np.array_equal(floor.a, a_, equal_nan=True):
         sign, p = _joint_test(a_, np.asarray(floor.a2, float), b_)
         test = f"{labels[0]}, its A/A rerun, {labels[1]} relabelled in each pair"
-        level, fewest = alpha, _fewest(3, alpha)
+        level, fewest, against = alpha, _fewest(3, alpha), "the A/A rerun"
     else:
         sign, p = _margin_test(a_, b_, f)
         test = f"sign flips of log({labels[1]}/{labels[0]})" + (" against the band" if f > 0 else "")
         level, fewest = alpha / 2, _fewest(2, alpha / 2)
+        against = f"the noise band {band_text(f)}" if f > 0 else "no change"
     winner = None
     if p <= level and sign:
         winner = labels[1] if (sign > 0) == higher_is_better else labels[0]
-    return Comparison(f"{winner} {word}" if winner else "within noise", iv, f, labels, p, test, fewest)
+    verdict = f"{winner} {word}" if winner else TOO_FEW if iv.n < fewest else "within noise"
+    return Comparison(verdict, iv, f, labels, p, test, fewest, level, against)
 
 
 # ---- 5. whole trials (a server per trial, a row of results each) ------------------------------
-def run_arms(arms: Mapping[str, Any], repeats: int, trial: Callable[[Any, str], tuple[dict, Any]],
-             pattern: str = "ABBA") -> tuple[Any, list]:
-    """Run `trial(value, label) -> (row, run)` for every arm, once per block of `schedule`
-    (`repeats`, made even); returns a DataFrame of the rows (with `arm` and `rep` added)
-    and the runs. For trials that return many numbers (a bench run's summary row), where
-    `run_interleaved` takes one number per call. `label` is the arm, with `-r<rep>` when
-    repeats > 1 (for folder and run names).
-
-    Args:
-        arms: label -> the value `trial` receives (a level, a flag); put a reference twice,
-            under two labels, for its A/A floor.
-        repeats: trials per arm (an odd count > 1 gets one more).
-        trial: runs one trial.
-        pattern: see `schedule`.
-    """
-    import pandas as pd
-    rows, runs = [], []
-    for rep, arm in schedule(list(arms), repeats, pattern):
-        row, r = trial(arms[arm], f"{arm}" + (f"-r{rep}" if repeats > 1 else ""))
-        rows.append({**row, "arm": arm, "rep": rep})
-        runs.append(r)
-    return pd.DataFrame(rows), runs
-
-
 def compare_arms(trials: Any, metric: str, ref: str, aa: str | None, *,
                  higher_is_better: bool) -> tuple[dict[str, Comparison], NoiseFloor | None]:
     """Every arm of a `run_arms` frame against `ref` on `metric`, paired by repeat and tested

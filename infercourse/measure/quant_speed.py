@@ -7,8 +7,8 @@ Two rules keep 07's speed columns honest:
   GGUF F16 on the same llama-server build. Dividing llama-server's speed by transformers'
   would mix the runtime with the format.
 - **Repeat, interleave, and measure the noise.** Every format of one runtime is held
-  loaded (or served) at once and one request of each runs per block, in the ABBA order of
-  `measure.noise.schedule`, the reference twice (an A/A arm). `decode_speedup` is the
+  loaded (or served) at once and one request of each runs per block, in the shuffled order
+  of `measure.noise.schedule`, the reference twice (an A/A arm). `decode_speedup` is the
   median paired ratio of decode tok/s; `decode_verdict` is `noise.compare`'s verdict
   against the A/A rerun ("within noise" unless the test says otherwise).
 
@@ -53,7 +53,7 @@ def request_trials(engines: Mapping[str, Callable[[], object]], ref: str, prompt
         ref: the reference arm, also run a second time as `ref + AA`.
         prompts: block k sends prompt k mod len(prompts) to every arm, so pairs match.
         max_tokens: forced output length.
-        repeats: blocks (made even by the ABBA schedule).
+        repeats: blocks.
         writer: optional `results.RunWriter` for every timed trace.
     """
     from infercourse.core import metrics

@@ -145,6 +145,10 @@ def decide(before, after, metric: str = "ttft_s", *, goal: str = "lower",
         return {**out, "decision": "keep", "why": f"better beyond noise{note}"}
     if c.verdict == "before better":
         return {**out, "decision": "revert", "why": f"worse beyond noise{note}"}
+    if c.too_few:
+        return {**out, "decision": "revert",
+                "why": f"{c.said}: this trial cannot show a change either way, so keep the old setting "
+                       f"(more requests per trial give the test its pairs){note}"}
     return {**out, "decision": "revert",
             "why": f"within noise: the test cannot tell it from noise (p = {c.p:.2g}; paired interval "
                    f"[{iv.lo:.2f}, {iv.hi:.2f}], band {noise.band_text(c.floor)}), so keep the old setting{note}"}
