@@ -93,3 +93,18 @@ def test_what_the_client_saw_keeps_the_lines_after_the_first():
     inj2 = Injected(next(iter(FAULTS.values())), "http://127.0.0.1:1")
     inj2.saw(ServerLayerError("one line only"))
     assert "error_lines" not in inj2.notes
+
+
+def test_a_stand_in_kill_is_read_as_not_the_oom_killer():
+    """Issue 31: the OOM killer's SIGKILL leaves no line in the log, so the doctor reads the
+    kernel's records. The lab's kill is a plain SIGKILL (a real OOM is never provoked here): the
+    cgroup's counter, read before the fault and after, did not rise, and the doctor says so."""
+    from infercourse.ops.death import oom_kills_now
+    r = run_fault("memory_growth", seconds=30, timeout_s=5)
+    said = r.report.check("server").summary
+    assert r.named == "server" and "(exit code -9)" in said, str(r.report)
+    if oom_kills_now()["oom_kill"] is None:
+        assert "not readable here" in said
+    else:
+        assert "not the OOM killer: this cgroup's oom_kill counter stayed at" in said
+    assert "killed by the OOM killer" not in str(r.report)

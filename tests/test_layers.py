@@ -111,6 +111,41 @@ def test_dead_server_whose_log_names_memory_points_below_the_server():
     assert r.check("server").status == "warn" and r.check("API").status == "warn"
 
 
+def _killed(oom):
+    """A server gone with SIGKILL and no line in its log, and what the kernel's records said."""
+    return healthy_evidence(**{
+        "server.process": {"pid": 4242, "alive": False, "status": "gone"},
+        "server.health": {"ok": False, "error": "refused"},
+        "server.log_tail": "[watchdog] server exited by itself with code -9", "server.exit_code": -9, "server.oom": oom,
+        "api.stream": {"ok": False, "error": "refused", "refused": True}})
+
+
+def _oom(before, now, lines=(), error=None):
+    return {"before": before, "now": {"oom_kill": now, "file": "/sys/fs/cgroup/s/memory.events", "error": None},
+            "kernel": {"lines": list(lines), "error": error}}
+
+
+def test_an_oom_kill_the_kernel_recorded_names_memory_and_a_plain_sigkill_does_not():
+    """Issue 31: the OOM killer's SIGKILL leaves no line in the log; the cgroup's oom_kill counter,
+    read before and after, says whether it was the kernel. The doctor's words flip with it."""
+    import re
+    oom = grade(_killed(_oom(0, 1)))
+    assert oom.layer == "memory" and oom.check("server").status == "warn"
+    assert re.search(r"\bthe kernel's record names the memory layer\b", oom.check("server").summary)
+    assert re.search(r"\bkilled by the OOM killer\b.*rose 0 → 1", oom.check("memory").summary)
+    plain = grade(_killed(_oom(0, 0)))
+    assert plain.layer == "server" and plain.check("server").status == "fail"
+    assert re.search(r"\(exit code -9\); not the OOM killer: this cgroup's oom_kill counter stayed at 0\b",
+                     plain.check("server").summary)
+    assert "killed by the OOM killer" not in str(plain)
+    said = grade(_killed(_oom(0, 0, lines=["Out of memory: Killed process 4242 (llama-server)"])))
+    assert said.layer == "memory" and "the kernel log says" in said.check("memory").summary
+    refused = "the kernel log is not readable here: dmesg: Operation not permitted"
+    forbidden = grade(_killed(_oom(None, 0, error=refused)))
+    assert forbidden.layer == "server" and "Operation not permitted" in forbidden.check("server").summary
+    assert grade(_killed(None)).check("server").summary == "process 4242 is gone (exit code -9)"   # nothing gathered
+
+
 def test_report_round_trips_to_json():
     r = grade(healthy_evidence(**{"context.prompt_tokens": 600}))
     d = json.loads(r.to_json())

@@ -1,7 +1,10 @@
-"""Notebook 18's sentences: the retry tail and the costliest rows, written from the numbers
-(synthetic rows; the sentences must flip when the numbers do)."""
+"""Notebook 18's sentences: the retry tail, the costliest rows and the crash row's kill record,
+written from the numbers (synthetic rows; the sentences must flip when the numbers do)."""
+import re
+
 import pandas as pd
 
+from infercourse.lessons import retries, symptom_sheet
 from infercourse.lessons import symptoms as lesson
 
 
@@ -14,13 +17,13 @@ def _tail(no_retry, with_retry):
 
 
 def test_retry_sentence_follows_failures_and_the_slowest_request():
-    moved = lesson.retry_sentence(_tail([(False, 0.01), (False, 0.01), (True, 0.2)], [(True, 2.4), (True, 0.2), (True, 0.2)]))
+    moved = retries.retry_sentence(_tail([(False, 0.01), (False, 0.01), (True, 0.2)], [(True, 2.4), (True, 0.2), (True, 0.2)]))
     assert "2 of 3 requests failed" in moved and "turned 2 failure(s) into successes" in moved
     assert "grew by 2.20 s" in moved and "moved into the tail" in moved
-    assert "without a slower request" in lesson.retry_sentence(_tail([(False, 0.5)], [(True, 0.3)]))
-    assert "nothing for the retries to do" in lesson.retry_sentence(_tail([(True, 0.2)], [(True, 0.2)]))
-    assert "did not change" in lesson.retry_sentence(_tail([(False, 0.1)], [(False, 3.0)]))
-    assert "more requests failed with retries" in lesson.retry_sentence(_tail([(True, 0.1)], [(False, 3.0)]))
+    assert "without a slower request" in retries.retry_sentence(_tail([(False, 0.5)], [(True, 0.3)]))
+    assert "nothing for the retries to do" in retries.retry_sentence(_tail([(True, 0.2)], [(True, 0.2)]))
+    assert "did not change" in retries.retry_sentence(_tail([(False, 0.1)], [(False, 3.0)]))
+    assert "more requests failed with retries" in retries.retry_sentence(_tail([(True, 0.1)], [(False, 3.0)]))
 
 
 def test_costliest_names_the_longest_rows_and_which_wait():
@@ -29,10 +32,10 @@ def test_costliest_names_the_longest_rows_and_which_wait():
             lesson.SymptomRow("API timeout", ("engine",), "overloaded", seconds=3.0),
             lesson.SymptomRow("tokens slow", ("hardware",), "cpu_contention", seconds=20.0),
             lesson.SymptomRow("streaming fails", ("API",), "cut", seconds=99.0, skipped="no proxy here")]
-    text = lesson.costliest(rows, k=2)
+    text = symptom_sheet.costliest(rows, k=2)
     assert text.startswith("The costliest rows in this run: tokens slow (20.0 s); agent stuck (12.0 s, found only")
     assert "1 of these 2 wait on time" in text and "streaming" not in text
-    assert "0 of these 1 wait" in lesson.costliest(rows[3:4], k=3)
+    assert "0 of these 1 wait" in symptom_sheet.costliest(rows[3:4], k=3)
 
 
 def test_prefill_only_ratio_is_the_token_ratio_of_the_rows_lengths():
@@ -80,3 +83,42 @@ def test_too_few_pairs_say_so_instead_of_a_bare_within_noise():
     assert four.verdict == "short faster" and four.said == "short faster"
     for fn in (lesson.context_growth, lesson.cpu_contention):
         assert inspect.signature(fn).parameters["repeats"].default >= two.fewest
+
+
+def _crash(layer, server_said, memory_said="not reached (stopped at server)", skipped=None):
+    return lesson.SymptomRow("crash after a long run", ("memory", "KV cache"), "memory_growth", layer=layer,
+                             skipped=skipped, values={"doctor_server": server_said, "doctor_memory": memory_said})
+
+
+def test_kill_record_says_whether_the_kernel_recorded_an_oom_kill():
+    """Issue 31: an OOM kill leaves no line in the log; the sentence follows what the doctor read of
+    the kernel's records, both ways, and says so where they cannot be read."""
+    stand_in = symptom_sheet.kill_record([_crash(
+        "server", "process 7 is gone (exit code -9); not the OOM killer: this cgroup's oom_kill counter stayed at 0 "
+        "(memory.oom_control); the kernel log names no OOM kill of pid 7")])
+    assert re.search(r"\bthe doctor named \*\*server\*\*", stand_in) and "stayed at 0" in stand_in
+    assert re.search(r"\bshow no OOM kill\b.*\bstand-in\b", stand_in)
+    oom = symptom_sheet.kill_record([_crash(
+        "memory", "process 7 is gone (exit code -9); the kernel's record names the memory layer",
+        "the server died of it: killed by the OOM killer: this cgroup's oom_kill counter rose 0 → 1 (memory.events)")])
+    assert re.search(r"\bThe kernel recorded an OOM kill\b.*\bnamed \*\*memory\*\*.*rose 0 → 1", oom)
+    assert "stand-in" not in oom and "show no OOM kill" not in oom
+    blind = symptom_sheet.kill_record([_crash(
+        "server", "process 7 is gone (exit code -9); the cgroup's OOM-kill counter is not readable here (no /proc)")])
+    assert "cannot be read here" in blind and "show no OOM kill" not in blind
+    unknown = symptom_sheet.kill_record([_crash("server", "process 7 is gone (exit code -9); this cgroup's oom_kill "
+                                                "counter reads 2 (memory.events), with no reading from before")])
+    assert "cannot say whether it rose" in unknown
+    assert "did not run here (no RLIMIT)" in symptom_sheet.kill_record([_crash(None, "", skipped="no RLIMIT")])
+    assert "did not run here" in symptom_sheet.kill_record([])
+
+
+def test_the_crash_row_keeps_what_the_doctor_said_of_the_server_and_memory(monkeypatch):
+    from types import SimpleNamespace
+    checks = [SimpleNamespace(layer="API", summary="a"), SimpleNamespace(layer="server", summary="gone; stayed at 0"),
+              SimpleNamespace(layer="memory", summary="not reached")]
+    monkeypatch.setattr(lesson, "run_fault", lambda how, server, **kw: SimpleNamespace(
+        report=SimpleNamespace(failed=checks[1], checks=checks), named="server", doctor_s=0.1, client_error="x",
+        notes={}))
+    row = lesson.reproduce("crash after a long run", SimpleNamespace(url="http://stand-in"))
+    assert row.values["doctor_server"] == "gone; stayed at 0" and row.values["doctor_memory"] == "not reached"

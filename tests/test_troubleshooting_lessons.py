@@ -1,12 +1,14 @@
 """Notebooks 17, 18 and 21's lessons, mostly the parts that need no server: evidence shown without
 the answer (a failed start with its log's error lines), the guide's suspects beside the layer
 found, and a route named only beyond noise."""
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
 
 from infercourse.core.errors import LAYERS
-from infercourse.lessons import capstone, symptoms, troubleshooting
+from infercourse.lessons import capstone, capstone_incident, symptoms, troubleshooting
 from infercourse.ops.faults import FAULTS
 
 
@@ -172,7 +174,7 @@ def test_changed_most_needs_a_change_beyond_the_routes_aa_floor():
 
 
 def test_incident_doctor_gives_nothing_away_without_a_suspect():
-    inc = capstone.Incident(0, "latency", "C", snapshots={"C": "REPORT C"})
+    inc = capstone_incident.Incident(0, "latency", "C", snapshots={"C": "REPORT C"})
     assert "Name the route" in inc.doctor(None) and inc.doctor("C") == "REPORT C"
 
 
@@ -189,3 +191,65 @@ def test_cpu_contention_hogs_each_run_in_a_session_of_their_own():
         for h in hogs:
             h.terminate()
         assert all(h.wait(5) is not None for h in hogs)
+
+
+def test_blind_drills_hide_the_fault_behind_a_shuffled_neutral_label():
+    """Issue 31 (17): the fault names (`model_corrupt`, `context_overflow`, `memory_limited`) gave
+    three layers away before the guesses, and so did an order that follows the walk."""
+    m = troubleshooting.blind(seed=0)
+    assert list(m) == [f"fault {c}" for c in "ABCDEF"] and sorted(m.values()) == sorted(troubleshooting.DRILL_FAULTS)
+    assert troubleshooting.blind(seed=0) == m                                    # seeded: the same order again
+    orders = {tuple(troubleshooting.blind(seed=s).values()) for s in range(20)}
+    assert len(orders) > 1 and any(o != troubleshooting.DRILL_FAULTS for o in orders)   # shuffled, not the walk's
+
+
+def _names_or_layers(text):
+    words = set(troubleshooting.DRILL_FAULTS) | {f.layer for f in FAULTS.values()} | {"limited", "corrupt"}
+    return [w for w in words if re.search(rf"\b{re.escape(w)}\b", text)]
+
+
+def test_a_labelled_drill_names_neither_fault_nor_layer_before_the_guess(capsys):
+    from infercourse.ops.startfaults import log_evidence
+    d = troubleshooting.Drill("model_corrupt", "a new model will not run", MESSAGE, "model",
+                              report=_Report(), label="fault C", log_lines=log_evidence(FAILED_START)[:1])
+    d.show_symptom()
+    out = capsys.readouterr().out
+    assert out.startswith("[fault C]\n") and "model_corrupt" not in out
+    skipped = troubleshooting.Drill("memory_limited", "will not start", None, "memory", label="fault F",
+                                    skipped="RLIMIT_AS is only enforced on Linux (memory layer)")
+    skipped.show_symptom()
+    out = capsys.readouterr().out
+    assert "[fault F] could not be made" in out and not _names_or_layers(out), out
+    troubleshooting.reveal(skipped, None, None)
+    assert "was `memory_limited` (memory layer), skipped here: RLIMIT_AS" in capsys.readouterr().out
+    troubleshooting.reveal(d, "?", None)
+    assert "[fault C] was `model_corrupt` (model file truncated)." in capsys.readouterr().out
+    assert d.why().startswith("fault C was 'model_corrupt'")
+    assert troubleshooting.Drill("cut", "s", None, "API", label="fault A").row()["drill"] == "fault A"
+
+
+def _nb(name):
+    import json
+    from pathlib import Path
+    nb = json.loads((Path(__file__).parents[1] / "notebooks" / name).read_text(encoding="utf-8"))
+    return ["".join(c["source"]) for c in nb["cells"]]
+
+
+def test_notebook_17_names_no_fault_before_the_first_reveal_and_checks_the_measured_skips():
+    cells = _nb("17_layered_troubleshooting.ipynb")
+    first = next(i for i, c in enumerate(cells) if "lesson.reveal(" in c)
+    before = "\n".join(cells[:first])
+    assert "lesson.run_drills(" in before
+    for name in troubleshooting.DRILL_FAULTS:
+        assert not re.search(rf"\b{name}\b", before), name
+    ex5 = next(c for c in cells if "doctor_engine(" in c and "check(" in c)
+    assert "lesson.skipped_layers(inproc)" in ex5 and not re.search(r"check\(answer, \d", ex5)
+
+
+def test_skipped_layers_counts_what_the_report_skipped():
+    from infercourse.ops.layers import LayerCheck, LayerReport
+    rep = LayerReport("x", [LayerCheck("API", "skip", "in process"), LayerCheck("server", "skip", "in process"),
+                            LayerCheck("engine", "ok", "")])
+    assert troubleshooting.skipped_layers(rep) == ["API", "server"]
+    rep.checks.append(LayerCheck("runtime", "skip", "not reached"))
+    assert len(troubleshooting.skipped_layers(rep)) == 3

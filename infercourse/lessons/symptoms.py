@@ -9,10 +9,16 @@ that needs what this machine lacks is skipped with the reason.
 
 The measurements judge their own effect against an A/A floor (`measure.noise`): TTFT that
 grows with the prompt, or decode that slows beside busy processes, names a layer only when
-the change clears what the same measurement does to itself. `retry_tail` shows what a
-client's retries with backoff do to the tail: errors become slow successes. `write_cheatsheet`
-turns the rows into a markdown cheat sheet with this run's numbers; `cheatsheet_markdown` is the
-same sheet before any run, generated from these tables (`notebooks/cheatsheet_symptoms.md`).
+the change clears what the same measurement does to itself. `cheatsheet_markdown` is the
+cheat sheet before any run, generated from these tables (`notebooks/cheatsheet_symptoms.md`);
+`lessons.symptom_sheet` reads a run's rows back (your score, the costliest rows, the sheet with
+this run's evidence), and `lessons.retries` shows what a client's retries do to the tail.
+
+"Crash after a long run" is the row where the evidence is easiest to miss: the OOM killer's
+SIGKILL leaves no line in the server's log. The kernel records the kill in the cgroup's
+`oom_kill` counter and in its own log, and the doctor reads both (`ops.death`); the lab's
+stand-in kill is a plain SIGKILL (a real OOM is never provoked on a shared machine), and the
+doctor's reading of the counter, before and after, says that too.
 """
 from __future__ import annotations
 
@@ -20,22 +26,19 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from infercourse.core.errors import LAYERS, InferCourseError
+from infercourse.core.errors import InferCourseError
 from infercourse.core.types import Request, generate
 from infercourse.measure import noise
-from infercourse.measure.hardware import utc_now
 from infercourse.ops.anthropic_probe import cache_buster_check, tool_check
 from infercourse.ops.faults import FAULTS, run_fault
 
-__all__ = ["SYMPTOMS", "DIFFERS", "SymptomRow", "reproduce", "context_growth", "cpu_contention", "retry_tail",
-           "retry_sentence", "costliest", "blank_sheet", "table", "score", "write_cheatsheet", "MEASURED", "cheatsheet_markdown",
-           "growth_lengths", "prefill_only_ratio", "ttft_ms", "detect_seconds"]
+__all__ = ["SYMPTOMS", "DIFFERS", "MEASURED", "SymptomRow", "reproduce", "context_growth", "cpu_contention",
+           "blank_sheet", "cheatsheet_markdown", "growth_lengths", "prefill_only_ratio", "ttft_ms", "detect_seconds"]
 
 # symptom -> (the guide's suspect layers, in its order; how it is reproduced here)
 SYMPTOMS = {
@@ -61,8 +64,10 @@ DIFFERS = {
                    "the lab reproduces the other common way to hang: a frozen server process (state T)",
     "tokens slow": "quantization is not a layer of the walk: it is a property of the model file (model layer); "
                    "the lab makes tokens slow by taking the CPU away (hardware)",
-    "crash after a long run": "the OOM killer's SIGKILL leaves no line in the server's log, so the doctor sees only a "
-                              "process gone (server); the RSS growth before the kill is what says memory",
+    "crash after a long run": "the lab's OOM killer is a stand-in, a plain SIGKILL (a real OOM is never provoked on a "
+                              "shared machine): no line in the log, no rise in the cgroup's oom_kill counter, so the "
+                              "doctor sees a process gone (server); the RSS growth before the kill is what says "
+                              "memory (a real OOM kill raises that counter, and the doctor then names memory)",
 }
 
 # The rows reproduced by a live measurement rather than a fault: (what is measured, the layer it names).
@@ -239,85 +244,6 @@ def cpu_contention(server, repeats: int = 3, max_tokens: int = 24) -> tuple[str 
         {**v, "alone_tok_s": alone, "shared_tok_s": with_hogs, "kept": with_hogs / alone}
 
 
-def retry_tail(server, *, n: int = 6, outage_s: float = 2.0, retries: int = 4, backoff_s: float = 0.25,
-               max_tokens: int = 8) -> pd.DataFrame:
-    """What a client's retries do to the tail: `n` requests one after another through a
-    proxy that answers HTTP 502 for its first `outage_s` seconds, without and with retries
-    (exponential backoff: backoff_s, 2x, 4x...). One row per request: mode, ok, attempts,
-    seconds (send of the first attempt to the end of the last).
-
-    Args:
-        server: a running LlamaServer (loopback).
-        n, outage_s: requests per mode; how long the proxy fails.
-        retries, backoff_s: the client's retries and its first wait.
-        max_tokens: answer length (short: the point is the waiting, not the decoding).
-    """
-    from infercourse.ops.netfaults import FaultProxy, client_engine
-    rows, req = [], Request(prompt="Say hello.", max_tokens=max_tokens)
-    for mode, k in (("no retry", 0), (f"{retries} retries, backoff from {backoff_s:g} s", retries)):
-        with FaultProxy(server.url, "5xx", max_s=outage_s) as proxy:
-            engine = client_engine(proxy.url, timeout_s=30)
-            for _ in range(n):
-                t0, attempt, ok = time.perf_counter(), 0, False
-                while True:
-                    attempt += 1
-                    try:
-                        generate(engine, req)
-                        ok = True
-                        break
-                    except InferCourseError:
-                        if attempt > k:
-                            break
-                        time.sleep(backoff_s * 2 ** (attempt - 1))
-                rows.append({"mode": mode, "ok": ok, "attempts": attempt, "seconds": time.perf_counter() - t0})
-            engine.close()
-    df = pd.DataFrame(rows)
-    df.attrs.update(outage_s=outage_s, backoff_s=backoff_s)
-    return df
-
-
-def retry_sentence(tail: pd.DataFrame) -> str:
-    """What the retries did in `retry_tail`'s run, from its rows: the failures and the slowest
-    request without and with retries, and which way each moved (or that it did not). One
-    run of a few requests per mode: no noise band, so a small change in the slowest request
-    is reported as a number, not as a trend."""
-    modes = list(dict.fromkeys(tail["mode"]))
-    a, b = (tail[tail["mode"] == m] for m in (modes[0], modes[-1]))
-    fa, fb = int((~a["ok"].astype(bool)).sum()), int((~b["ok"].astype(bool)).sum())
-    sa, sb = float(a["seconds"].max()), float(b["seconds"].max())
-    head = (f"{modes[0]}: {fa} of {len(a)} requests failed, the slowest took {sa:.2f} s. {modes[-1]}: {fb} of "
-            f"{len(b)} failed, the slowest took {sb:.2f} s")
-    outage = tail.attrs.get("outage_s")
-    span = f" (the outage lasted {outage:g} s)" if outage else ""
-    if fb < fa:
-        moved = (f"the retries turned {fa - fb} failure(s) into successes and the slowest request grew by "
-                 f"{sb - sa:.2f} s{span}: the errors moved into the tail" if sb > sa else
-                 f"the retries turned {fa - fb} failure(s) into successes without a slower request{span}")
-    elif fb == fa == 0:
-        moved = f"no request met the outage in either mode{span}, so there was nothing for the retries to do"
-    elif fb == fa:
-        moved = f"the retries did not change the number of failures{span}: the outage outlasted every retry"
-    else:
-        moved = f"more requests failed with retries than without{span}: the outage hit the two modes differently"
-    return f"{head}: {moved}."
-
-
-# rows whose symptom is time: found by a deadline (frozen) or by waiting in a queue (overloaded)
-_WAITS = {"frozen": "found only by a timeout", "overloaded": "waits in a queue"}
-
-
-def costliest(rows: list[SymptomRow], k: int = 3) -> str:
-    """The `k` rows that took longest to reproduce, diagnose and undo, and which of them
-    must wait for something (a timeout, a queue) rather than read an error."""
-    top = sorted((r for r in rows if r.skipped is None), key=lambda r: r.seconds, reverse=True)[:k]
-    if not top:
-        return "No row was reproduced here."
-    parts = [f"{r.symptom} ({r.seconds:.1f} s{', ' + _WAITS[r.how] if r.how in _WAITS else ''})" for r in top]
-    waiting = sum(r.how in _WAITS for r in top)
-    return (f"The costliest rows in this run: {'; '.join(parts)}. {waiting} of these {len(top)} wait on time "
-            "(a deadline or a queue) rather than read an error.")
-
-
 def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float = 3.0) -> SymptomRow:
     """Reproduce one row live on `server` (a running LlamaServer lent to it, handed back healthy).
 
@@ -333,7 +259,8 @@ def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float =
         if how in FAULTS:
             r = run_fault(how, server, seconds=seconds, timeout_s=timeout_s)
             hit = r.report.failed or next((c for c in r.report.checks if c.status == "warn"), None)
-            row.layer, row.values = r.named, {"doctor_s": r.doctor_s, "client_error": r.client_error}
+            said = {f"doctor_{c.layer}": c.summary for c in r.report.checks if c.layer in ("server", "memory")}
+            row.layer, row.values = r.named, {"doctor_s": r.doctor_s, "client_error": r.client_error, **said}
             client = r.client_error or "no error, only slow"
             row.evidence = f"client: {_clean(client)} / doctor: {_clean(hit.summary if hit else 'nothing')}"
             if "rss_killed_mib" in r.notes:     # memory_growth: the readings the doctor cannot see after the kill
@@ -359,49 +286,6 @@ def blank_sheet(symptoms) -> pd.DataFrame:
     empty column for the layer YOU expect the evidence to name (fill `MY_DIAGNOSIS`)."""
     return pd.DataFrame([{"symptom": s, "guide's suspects": " → ".join(SYMPTOMS[s][0]), "your layer": ""}
                          for s in symptoms]).set_index("symptom")
-
-
-def table(rows: list[SymptomRow]) -> pd.DataFrame:
-    return pd.DataFrame([r.as_dict() for r in rows]).set_index("symptom")
-
-
-def score(mine: dict[str, str | None], rows: list[SymptomRow]) -> pd.DataFrame:
-    """Your layer per symptom beside the guide's suspects and the layer this run found."""
-    bad = {v for v in mine.values() if v is not None and v not in LAYERS}
-    if bad:
-        print(f"not a layer: {sorted(bad)}; choose from {LAYERS}")
-    df = pd.DataFrame([{"symptom": r.symptom, "guide's suspects": " → ".join(r.suspects), "yours": mine.get(r.symptom),
-                        "found": r.layer, "why it differs": r.differs()} for r in rows])
-    df["match"] = [None if y is None else y == f for y, f in zip(df["yours"], df["found"])]
-    answered = df["match"].dropna()
-    print(f"{int(answered.sum())}/{len(answered)} of your answered diagnoses match the layer found" if len(answered)
-          else "fill MY_DIAGNOSIS before the Measure cell to score yourself")
-    return df.set_index("symptom")
-
-
-def write_cheatsheet(rows: list[SymptomRow], path: str | Path, *, machine: str = "") -> Path:
-    """The symptom table as markdown, with this run's evidence and when/where it was measured.
-
-    Args:
-        rows: reproduced rows.
-        path: the .md file to write.
-        machine: a hardware label for the header.
-    """
-    df = table(rows).reset_index()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")   # timings mean little without it
-    cell = lambda v: str(v).replace("|", "/").replace("\n", " ")   # noqa: E731
-    lines = ["# Symptom cheat sheet: what the user sees → which layer to check", "",
-             f"Measured {utc_now()} on {machine or 'this machine'} ({os.cpu_count()} logical cores, 1-min load "
-             f"{load:.1f}) by notebook 18 (`18_symptom_lab`): every row reproduced live on the embedded model; "
-             "evidence and seconds are what this run saw. \"guide's suspects\" are the reference guide's usual "
-             "causes; \"layer found\" is what this run's evidence named, and \"why it differs\" says why where "
-             "they disagree.", "",
-             "| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in df.itertuples(index=False)]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def cheatsheet_markdown() -> str:

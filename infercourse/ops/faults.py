@@ -14,11 +14,15 @@ front of it: `infercourse.ops.netfaults`), is bounded in time, and is always und
 | `frozen`               | SIGSTOP (SIGCONT on exit, or after `seconds`)         | server     |
 | `overloaded`           | 2x more streams than slots, held open                 | engine     |
 | `memory_limited`       | RLIMIT_AS below what the requested context needs      | memory     |
+| `memory_growth`        | RSS grows until an OOM-killer stand-in SIGKILLs it    | memory     |
 | `model_missing`        | the model file disappears before start                | model      |
 | `model_corrupt`        | a truncated copy of the model file                    | model      |
 | `context_overflow`     | a prompt longer than the per-slot window              | context    |
 | `template_breaks_tools`| a chat template that raises on tool turns             | model      |
 | network faults         | latency, reset, cut, 5xx, slow first byte (netfaults) | API        |
+
+Before each fault, `inject` reads the cgroup's OOM-kill counter (`ops.death`), so the doctor
+can tell a kernel OOM kill (the counter rose) from any other SIGKILL, such as the stand-in's.
 
 Undo, three times over: the `with` block's `finally`, an `atexit` hook (SIGCONT for every
 pid still stopped), and the servers' own watchdog, which kills a server whose Python
@@ -40,6 +44,7 @@ import httpx
 
 from infercourse.core.errors import InferCourseError
 from infercourse.ops import netfaults, startfaults
+from infercourse.ops.death import oom_kills_now
 from infercourse.ops.startfaults import small_server
 from infercourse.servers.llama import LlamaServer
 
@@ -103,6 +108,7 @@ class Injected:
     client_error: str | None = None
     client_layer: str | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    oom_before: int | None = None     # the cgroup's OOM-kill counter before the fault (None: unreadable)
 
     @property
     def symptom(self) -> str:
@@ -112,6 +118,7 @@ class Injected:
         """`doctor_layers` on this fault's URL, with its server, prompt and max_tokens."""
         from infercourse.ops.layers import doctor_layers
         kw.setdefault("timeout_s", 3.0)
+        kw.setdefault("oom_before", self.oom_before)
         return doctor_layers(self.url, server=self.server, prompt=self.prompt, max_tokens=self.max_tokens, **kw)
 
     def saw(self, exc: InferCourseError) -> None:
@@ -293,7 +300,7 @@ def inject(name: str, server: LlamaServer | None = None, *, seconds: float = 20.
         raise ValueError(f"unknown fault {name!r}; choose one of {sorted(FAULTS)}")
     if delay_s is not None and name not in netfaults.DEFAULT_DELAY_S:
         raise ValueError(f"delay_s sizes only {sorted(netfaults.DEFAULT_DELAY_S)}, not {name!r}")
-    f = Injected(FAULTS[name], url="")
+    f = Injected(FAULTS[name], url="", oom_before=oom_kills_now()["oom_kill"])   # before: "did it rise?"
     with _RUN[name](f, server, seconds, **({"delay_s": delay_s} if delay_s is not None else {})):
         yield f
 

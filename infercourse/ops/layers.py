@@ -12,7 +12,9 @@ Two rules keep the walk honest:
   process is dead or stopped the API layer only *warns* and the server layer fails. The
   API layer fails only when the server behind it is healthy (a proxy, a port, the wire).
 - A dead server's log names the layer that killed it ("failed to allocate" -> memory,
-  "failed to load model" -> model, "Illegal instruction" -> hardware): `classify_log`.
+  "failed to load model" -> model, "Illegal instruction" -> hardware): `classify_log`. The
+  OOM killer's SIGKILL leaves no line there; the kernel's own records (the cgroup's
+  `oom_kill` counter, the kernel log) say "killed by the OOM killer" instead (`ops.death`).
 
 Grading is a pure function of one evidence snapshot (`infercourse.ops.probes`), so each
 rule is tested on synthetic evidence and each verdict comes with the evidence it used.
@@ -20,13 +22,13 @@ rule is tested on synthetic evidence and each verdict comes with the evidence it
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from infercourse.core.errors import LAYERS
+from infercourse.ops.death import classify_log, oom_verdict
 
 __all__ = ["LayerCheck", "LayerReport", "NEXT_STEP", "classify_log", "grade", "doctor_layers",
            "doctor_engine"]
@@ -34,7 +36,8 @@ __all__ = ["LayerCheck", "LayerReport", "NEXT_STEP", "classify_log", "grade", "d
 # What to look at when a layer fails: the next move of the procedure.
 NEXT_STEP = {
     "API": "check the URL, port and anything in between (proxy, tunnel); curl /v1/models and one streamed request",
-    "server": "read the server log (exit code -9 = SIGKILL / OOM killer, state T = stopped); restart it",
+    "server": "read the server log (state T = stopped; exit code -9 = SIGKILL: the OOM killer's if the cgroup's "
+              "oom_kill counter rose or dmesg names the pid); restart it",
     "engine": "compare in-flight requests with slots (-np); lower concurrency or add slots; watch requests_deferred",
     "runtime": "check the runtime build and flags (threads, backend); rerun with the runtime alone (in process)",
     "model": "check the model file (path, size, checksum) and its chat template (tools, roles)",
@@ -43,18 +46,6 @@ NEXT_STEP = {
     "memory": "compare server RSS with free RAM and swap; smaller context, fewer slots or a smaller quant",
     "hardware": "check CPU load and other tenants; the instruction set and the GPU the build expects",
 }
-
-# Log lines that name the layer a server died of, most specific first.
-_LOG_CAUSES = [
-    ("memory", r"failed to allocate|insufficient memory|cannot allocate memory|bad_alloc|out of memory|mmap failed"),
-    ("hardware", r"illegal instruction|SIGILL|code -4\b|no CUDA-capable device|ggml_cuda_init: failed"),
-    ("KV cache", r"failed to find free space in the KV cache|kv cache is full"),
-    ("context", r"exceeds the available context size"),
-    ("model", r"failed to open GGUF|gguf_init_from_file|failed to load model|error loading model|"
-              r"invalid magic|not within the file bounds|unknown model architecture"),
-    ("runtime", r"GGML_ASSERT|ggml_abort|segmentation fault|code -11\b|code -6\b"),
-]
-
 
 @dataclass(frozen=True)
 class LayerCheck:
@@ -106,21 +97,6 @@ class LayerReport:
         return "\n".join(lines)
 
 
-def classify_log(text: str | None) -> tuple[str, str] | None:
-    """(layer, line) of the first known cause of death in a server log, or None.
-
-    Args:
-        text: the log tail.
-    """
-    if not text:
-        return None
-    for layer, pattern in _LOG_CAUSES:
-        for line in text.splitlines():
-            if re.search(pattern, line, re.I):
-                return layer, line.strip()[:200]
-    return None
-
-
 def _c(layer: str, status: str, summary: str, **evidence: Any) -> LayerCheck:
     return LayerCheck(layer, status, summary, {k: v for k, v in evidence.items() if v is not None},
                       NEXT_STEP[layer] if status in ("warn", "fail") else None)
@@ -133,12 +109,18 @@ def _server_state(ev: dict) -> tuple[str, str, dict]:
     probe = direct if direct is not None else health
     dead = proc.get("alive") is False or (proc.get("alive") is None and probe.get("error") == "refused")
     cause = classify_log(s.get("log_tail")) if dead else None   # a live server's log is history
+    # SIGKILL leaves no line in the log: the kernel's records say whether it was the OOM killer
+    oom, kernel_said = oom_verdict(s.get("oom"), proc.get("pid"), s.get("exit_code")) if dead else (False, "")
+    if oom and not cause:
+        cause = ("memory", kernel_said)
     evid = {"pid": proc.get("pid"), "state": proc.get("status"), "exit_code": s.get("exit_code"),
-            "log": s.get("log_path"), "log_cause": cause}
+            "log": s.get("log_path"), "log_cause": cause, "oom_killed": oom if dead else None,
+            "cause_from": "the kernel's record" if oom and cause[1] == kernel_said else "its log"}
     if dead:
         code = s.get("exit_code")
         who = f"process {proc.get('pid')} is gone" if proc.get("pid") else "nothing listens there"
-        return "dead", who + (f" (exit code {code})" if code is not None else ""), evid
+        said = f"; {kernel_said}" if kernel_said and not oom else ""
+        return "dead", who + (f" (exit code {code})" if code is not None else "") + said, evid
     if proc.get("status") == "stopped":
         return "stopped", f"process {proc.get('pid')} is stopped (state T): it accepts connections, never answers", evid
     if probe.get("ok"):
@@ -308,7 +290,7 @@ def grade(ev: dict[str, Any]) -> LayerReport:
         checks.append(_api(ev, state))
         cause = evid.get("log_cause")
         if state == "dead" and cause and LAYERS.index(cause[0]) > LAYERS.index("server"):
-            checks.append(_c("server", "warn", f"{text}; its log names the {cause[0]} layer", **evid))
+            checks.append(_c("server", "warn", f"{text}; {evid['cause_from']} names the {cause[0]} layer", **evid))
         else:
             status = "ok" if state == "healthy" else "fail"
             checks.append(_c("server", status, text + (f"; log: {cause[1]}" if cause else ""), **evid))

@@ -9,7 +9,8 @@ timeouts, so a frozen or dead server costs seconds, not minutes:
 | API      | GET /v1/models; one tiny streamed chat request: chunks, [DONE], usage, |
 |          | client TTFT vs the server's own `timings.prompt_ms`                    |
 | server   | GET /health (through the URL, and directly when the server is known);  |
-|          | the process (alive? stopped?) and its log tail                         |
+|          | the process (alive? stopped?) and its log tail; once it is dead, the   |
+|          | kernel's OOM-kill records (`ops.death`: cgroup counter, `dmesg`)       |
 | engine   | /slots (busy) and /metrics (`requests_deferred`, `requests_processing`)|
 | runtime  | /props `build_info`, the `-t` threads on the command line              |
 | model    | /props `model_path`, `chat_template`; /apply-template of a tool turn   |
@@ -168,9 +169,25 @@ def _listener_pid(port: int | None) -> int | None:
     return None
 
 
+_FIRST_OOM: dict[str, int] = {}   # this process's first reading of its cgroup's OOM-kill counter
+
+
+def _oom_evidence(pid: int | None, before: int | None, dead: bool) -> dict[str, Any]:
+    """The kernel's records of an OOM kill (`ops.death`): the cgroup's counter now and before
+    (`before`, else this process's first reading, taken by an earlier walk), and, once the
+    server is dead, the kernel log's lines naming its pid."""
+    from infercourse.ops.death import kernel_oom_lines, oom_kills_now
+    now = oom_kills_now(pid)
+    first = _FIRST_OOM.get("oom_kill")
+    if now["oom_kill"] is not None:
+        _FIRST_OOM.setdefault("oom_kill", now["oom_kill"])
+    return {"now": now, "before": before if before is not None else first,
+            "kernel": kernel_oom_lines(pid) if dead and pid else {}}
+
+
 def collect_http(url: str, *, server: Any = None, pid: int | None = None, log_path: str | Path | None = None,
                  prompt: str | None = None, max_tokens: int = 0, timeout_s: float = 5.0,
-                 model: str | None = None) -> dict[str, Any]:
+                 model: str | None = None, oom_before: int | None = None) -> dict[str, Any]:
     """Evidence from an OpenAI-compatible server at `url`.
 
     Args:
@@ -185,6 +202,8 @@ def collect_http(url: str, *, server: Any = None, pid: int | None = None, log_pa
             router, the first loaded one). Through llama-server's router mode the GET probes
             carry `?model=NAME&autoload=false` (a probe must not load or swap a model) and
             the POST ones a `model` field.
+        oom_before: the cgroup's OOM-kill counter read before the trouble began (the fault
+            lab reads it before each fault); None: this process's first reading, if any.
     """
     root = url.rstrip("/").removesuffix("/v1")
     ev: dict[str, Any] = {"kind": "http", "target": root}
@@ -210,7 +229,9 @@ def collect_http(url: str, *, server: Any = None, pid: int | None = None, log_pa
         known_down = proc.get("status") in ("stopped", "gone")
         health = models if silent else _get(c, root + "/health")
         ev["server"] = {"health": health, "direct_url": direct, "process": proc, **_log_info(server, log_path),
-                        "direct_health": None if not direct else health if known_down else _get(c, direct + "/health")}
+                        "direct_health": None if not direct else health if known_down else _get(c, direct + "/health"),
+                        "oom": _oom_evidence(pid, oom_before,
+                                             dead=proc.get("status") == "gone" or models.get("error") == "refused")}
         if direct and not ev["api"]["stream"].get("ok") and ev["server"]["direct_health"].get("ok"):
             ev["api"]["direct_stream"] = _probe_stream(direct, model, timeout_s)   # the wire, or the server?
         base = direct or root   # the server's own endpoints: ask it directly when we can

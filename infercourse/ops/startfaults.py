@@ -34,7 +34,7 @@ def small_server(**kw: Any) -> LlamaServer:
 class _Limited(LlamaServer):
     """llama-server under an address-space limit, set between fork and exec."""
 
-    name = "llama-server-limited"
+    name = "llama-server"   # not "...-limited": its log's name and its exit message are a drill's evidence
 
     def __init__(self, limit_bytes: int, **kw: Any):
         self.limit_bytes = limit_bytes
