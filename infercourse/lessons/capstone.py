@@ -125,9 +125,11 @@ def fastest(baseline: pd.DataFrame, again: pd.DataFrame, metric: str = "ttft_s")
         lost = [y for y in others if beats(y, lead)]
         why = [f"against route {', '.join(tied)} the difference did not clear the A/A noise of both routes"
                ] if tied else []
-        why += [f"route {', '.join(few)} answered too few of the same calls in both replays for the test to pass "
-                f"(it needs {max(c.fewest for c in pair.values() if c is not None) if any(pair.values()) else 3})"
-                ] if few else []
+        n_pairs = {y: pair[y].interval.n if pair[y] is not None else 0 for y in few}
+        need = max(c.fewest for c in pair.values() if c is not None) if any(pair.values()) else 3
+        why += [f"against route {', '.join(few)} only {', '.join(str(n_pairs[y]) for y in few)} call(s) were answered "
+                f"on both routes in both replays: too few of the same calls for the test to pass (it needs {need}; "
+                "`N_CALLS` sets how many calls each route replays)"] if few else []
         why += [f"route {', '.join(lost)} beat it call by call (paired ratios) beyond the noise, yet not every other "
                 "route"] if lost else []
         lines.append(f"**No route is distinguishable as fastest**: route {lead} had the lowest median, but "
