@@ -142,23 +142,11 @@ def test_interval_word(exact, word):
     assert claims.interval_word(exact) == word
 
 
-# ---- notebook 11: the calibrated roof, the limit and continuous-batching sentences ----------
+# ---- notebook 11: the limit and continuous-batching sentences ----------
 def _ceil(probe_tok_s=50.0):
     import pandas as pd
     return pd.DataFrame({"memory_bound_tok_per_s": [300.0, 600.0, 1200.0], "compute_bound_tok_per_s": probe_tok_s,
                          "ceiling_tok_per_s": probe_tok_s, "bound": "compute"}, index=pd.Index([1, 2, 4], name="batch"))
-
-
-def test_calibrated_roof_never_sits_below_a_measured_decode_rate():
-    import pandas as pd
-    from infercourse.measure import roofline
-    measured = pd.Series([62.0, 67.0, 62.0], index=[1, 2, 4])
-    low = roofline.calibrated_roof(_ceil(50.0), measured)        # the f32 probe below the engine
-    assert (low["compute_roof_tok_per_s"] >= measured.max()).all()
-    assert (low["ceiling_tok_per_s"].reindex(measured.index) >= measured).all()
-    assert "measured" in low.attrs["compute_source"]
-    high = roofline.calibrated_roof(_ceil(500.0), measured)      # a probe above: kept
-    assert (high["compute_roof_tok_per_s"] == 500.0).all() and "probe" in high.attrs["compute_source"]
 
 
 def _sweep(decode, floor=0.1):
@@ -171,12 +159,11 @@ def _sweep(decode, floor=0.1):
 
 def test_limit_sentence_flips_between_flat_and_rising():
     import pandas as pd
-    from infercourse.lessons import concurrency as cc
-    from infercourse.measure import roofline
+    from infercourse.lessons import goodput as gp
     flat = _sweep([62.0, 67.0, 62.0])
     rising = _sweep([62.0, 120.0, 230.0])
-    a = cc.limit_sentence(flat, roofline.calibrated_roof(_ceil(), flat["decode_tok_per_s"]))
-    b = cc.limit_sentence(rising, roofline.calibrated_roof(_ceil(), rising["decode_tok_per_s"]))
+    a = gp.limit_sentence(flat, _ceil())
+    b = gp.limit_sentence(rising, _ceil())
     assert "**flat**" in a and "**rising**" not in a
     assert "**rising**" in b and "**flat**" not in b
     assert "55%–66%" in a                       # the prefill share is stated from the table
@@ -209,3 +196,25 @@ def test_service_drift_flips_with_the_direction_of_the_drift():
     assert "slower during the overload run" in slow and "2.50× where 3×" in slow
     assert "faster during the overload run" in fast
     assert "about the same speed" in same and "slower" not in same and "faster" not in same
+
+
+def test_marginal_cost_names_a_knee_when_later_positions_cost_more():
+    """09 printed "+0.068 per added position … +0.180 … A slope": the marginal cost rose 2.6×."""
+    import re
+    knee = claims.marginal_cost_sentence([1, 3, 11], [1.0, 1.136, 2.58])
+    slope = claims.marginal_cost_sentence([1, 3, 11], [1.0, 1.136, 1.68])
+    assert re.search(r"\*\*knee\*\*", knee) and not re.search(r"\bslope\*\*", knee) and "2.7× the first" in knee
+    assert re.search(r"\*\*slope\*\*", slope) and "knee" not in slope
+    free_first = claims.marginal_cost_sentence([1, 3, 11], [1.0, 0.99, 1.8])
+    assert "**knee**" in free_first and "the first were free" in free_first
+    flat = claims.marginal_cost_sentence([1, 3, 11], [1.0, 0.99, 0.98])
+    assert "nothing measurable" in flat and "**" not in flat
+
+
+def test_marginal_cost_hedges_too_few_pairs_as_well_as_noise():
+    few = claims.marginal_cost_sentence([1, 3, 11], [1.0, 1.136, 2.58],
+                                        ["reference", "too few pairs: 2 pairs cannot pass a test that needs 3",
+                                         "costs more than 1 position"])
+    firm = claims.marginal_cost_sentence([1, 3, 11], [1.0, 1.136, 2.58],
+                                         ["reference", "costs more than 1 position", "costs more than 1 position"])
+    assert "a hint" in few and "too few pairs to be judged" in few and "a hint" not in firm

@@ -1,6 +1,7 @@
 """The fair-benchmark lesson: refusing unfair comparisons, labelling allowed differences,
 routes that cannot run, the engine table, a peer tool's file beside our runs."""
 import math
+import re
 
 import pandas as pd
 import pytest
@@ -61,7 +62,18 @@ def test_fair_table_labels_what_differs_from_the_reference(tmp_path):
     col = "differs from llama.cpp"
     assert t.loc["llama.cpp", col] == "reference" and t.loc["same", col] == "same conditions"
     assert "quantization=float32" in t.loc["transformers", col] and "threads=2" in t.loc["transformers", col]
-    assert t.loc["transformers", "ttft_s_p50"] == pytest.approx(0.4)
+    assert t.loc["transformers", "ttft_first_s"] == pytest.approx(0.4)
+
+
+def test_fair_table_keeps_the_cold_call_apart_and_prints_no_p50_over_both(tmp_path):
+    """Issue 31, 13: the notebook said a p50 over a cold and a warm call describes neither, then
+    printed it (2.721 s) in this table. Call 1 and the later calls' p50 are printed apart."""
+    runs = {"a": _run(tmp_path / "a", "a", ttfts=[5.0, 0.4, 0.6]), "b": _run(tmp_path / "b", "b", ttfts=[4.0, 2.0])}
+    t = fair.fair_table(runs)
+    assert not [c for c in t.columns if c.startswith(("ttft_s_", "e2e_s_"))]
+    assert t.loc["a", "ttft_first_s"] == pytest.approx(5.0) and t.loc["a", "ttft_later_p50_s"] == pytest.approx(0.5)
+    assert t.loc["b", "ttft_first_s"] == pytest.approx(4.0) and t.loc["b", "ttft_later_p50_s"] == pytest.approx(2.0)
+    assert 3.0 not in t.round(6).to_numpy().tolist()                 # b's mean of cold and warm, nowhere
 
 
 def test_route_status_and_unusable_routes_get_a_reason(tmp_path):
@@ -95,9 +107,10 @@ def test_peer_file_beside_ours_lists_what_it_does_not_record(tmp_path):
     with pytest.raises(R.UnfairComparisonError, match="hardware.cpu differs"):
         R.differing_conditions([ours, peer], must_match=fair.FAIR_KEYS)
     side = fair.peer_beside_ours(ours, peer)
-    assert list(side.index) == ["ours", peer.label]
+    assert list(side.index) == ["ours, call 1 (cold)", peer.label]
+    assert side.loc["ours, call 1 (cold)", "completed"] == 1     # our call 1 only: no p50 over cold and warm
     assert side.loc[peer.label, "error_rate"] == pytest.approx(0.25)
-    assert side.loc["ours", "conditions that differ"] > 0
+    assert side.loc["ours, call 1 (cold)", "conditions that differ"] > 0
 
 
 @pytest.mark.slow
@@ -122,29 +135,39 @@ def test_explain_says_the_server_cost_only_from_the_interleaved_comparison(tmp_p
     rows = pd.DataFrame({"ran": [True, True], "decode_tok_per_s": [20.0, 19.0], "quantization": ["Q4_1"] * 2,
                          "cache_hit": [0.5, 0.5], "memory_mb": [100.0, 120.0], "why": ["", ""]},
                         index=["llama.cpp in process", "llama-server"])
-    text = fair.explain(rows, {"llama.cpp in process": base, "llama-server": slower}, 5.0)
+    text = FC.explain(rows, {"llama.cpp in process": base, "llama-server": slower}, 5.0)
     assert "no verdict here" in text and "sooner" not in text and "adds" not in text   # one run each: no claim
     a, a2 = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95], [1.02, 1.08, 0.93, 0.98, 1.04, 0.97]
     floor = noise.noise_floor(a, a2)
     far = {"floor": floor, "comparison": noise.compare(a, [2 * x for x in a], floor, labels=("in process", "llama-server"))}
-    assert "**in process faster**" in fair.explain(rows, {}, 5.0, paired=far)
+    assert "**in process faster**" in FC.explain(rows, {}, 5.0, paired=far)
     near = {"floor": floor, "comparison": noise.compare(a, a2, floor, labels=("in process", "llama-server"))}
-    text = fair.explain(rows, {}, 5.0, paired=near)
+    text = FC.explain(rows, {}, 5.0, paired=near)
     assert "**within noise**" in text and "A/A noise floor" in text
 
 
-def test_explain_judges_the_decode_ratio_against_the_floor_when_there_is_one():
+def test_explain_never_ranks_or_judges_single_runs_with_another_experiments_band():
+    """Issue 31, 13: "Fastest decode: llama-server at 47 tok/s" on 47.13 against 46.74, and a
+    decode ratio judged against the A/A band of the interleaved TTFT comparison."""
     from infercourse.measure import noise
-    rows = pd.DataFrame({"ran": [True, True], "decode_tok_per_s": [40.0, 10.0], "quantization": ["Q4_1", "F32"],
-                         "cache_hit": [0.5, 0.0], "memory_mb": [100.0, 300.0], "why": ["", ""]},
-                        index=["llama.cpp in process", "transformers"])
+    rows = pd.DataFrame({"ran": [True, True], "decode_tok_per_s": [46.74, 47.13], "quantization": ["Q4_1"] * 2,
+                         "cache_hit": [0.5, 0.5], "memory_mb": [100.0, 120.0], "why": ["", ""]},
+                        index=["llama.cpp in process", "llama-server"])
+    text = FC.explain(rows, {}, 5.0)
+    assert "Highest decode rate in this run: **llama-server** at 47.1 tok/s" in text and "not a ranking" in text
+    assert "then llama.cpp in process at 46.7 (1.01×)" in text and not re.search(r"\b[Ff]astest\b", text)
+    flipped = FC.explain(rows.assign(decode_tok_per_s=[47.13, 46.74]), {}, 5.0)
+    assert "in this run: **llama.cpp in process**" in flipped
+    two = pd.DataFrame({"ran": [True, True], "decode_tok_per_s": [40.0, 10.0], "quantization": ["Q4_1", "F32"],
+                        "cache_hit": [0.5, 0.0], "memory_mb": [100.0, 300.0], "why": ["", ""]},
+                       index=["llama.cpp in process", "transformers"])
     a, a2 = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95], [1.02, 1.08, 0.93, 0.98, 1.04, 0.97]
     floor = noise.noise_floor(a, a2)
     paired = {"floor": floor, "comparison": noise.compare(a, a2, floor)}
-    assert "llama.cpp in process ÷ transformers: 4.00× (one run each, not judged)" in fair.explain(rows, {}, 5.0)
-    assert "(outside the A/A noise band" in fair.explain(rows, {}, 5.0, paired=paired)
-    near = rows.assign(decode_tok_per_s=[10.2, 10.0])
-    assert "transformers: 1.02× (inside the A/A noise band" in fair.explain(near, {}, 5.0, paired=paired)
+    for p in (None, paired):                         # the TTFT comparison's band judges no decode ratio
+        t = FC.explain(two, {}, 5.0, paired=p)
+        assert "llama.cpp in process ÷ transformers: 4.00× (one run each, not judged)" in t
+        assert not re.search(r"\b(outside|inside) the A/A noise band", t)
 
 
 def _params(notebook: str) -> dict:
@@ -200,6 +223,7 @@ def test_row_keeps_the_cold_call_apart_from_the_warm_ones(tmp_path):
     assert row["calls"] == 3 and row["ttft_first_s"] == pytest.approx(2.0)
     assert row["ttft_later_p50_s"] == pytest.approx(0.3)            # p50 of calls 2 and 3 only
     assert row["prefill_first_tok_per_s"] == pytest.approx(100 / 2.0)
+    assert row["e2e_first_s"] == pytest.approx(2.05) and "e2e_p50_s" not in row     # no p50 over cold and warm
     assert row["cache_hit_first"] == 0 and row["cache_hit_later"] == pytest.approx(220 / 270)
     assert row["cache_hit"] == pytest.approx(220 / 370)
 
@@ -214,47 +238,64 @@ ISSUE = dict(ttft_first_s=[5.0, 2.5], ttft_later_p50_s=[0.6, 3.0], prefill_first
              cache_hit_first=[0.0, 0.0], cache_hit_later=[0.9, 0.0], decode_tok_per_s=[40.0, 12.0])
 
 
-def test_ttft_sentence_names_the_lowest_route_and_what_explains_it():
-    text = FC.ttft_sentence(_rows(**ISSUE), floor=0.1)
+def test_ttft_sentence_names_the_lowest_route_and_what_goes_with_it():
+    text = FC.ttft_sentence(_rows(**ISSUE))
     first, later = text.splitlines()
-    assert "**transformers** (F32) at 2.5 s" in first and "Its prefill rate explains it" in first
-    assert "outside the A/A noise band" in first
-    assert "**llama.cpp in process** (Q4_1) at 0.6 s" in later and "Its prefix cache explains it" in later
+    assert "lowest in this run was **transformers** (F32) at 2.5 s" in first and "its prefill rate explains it" in first
+    assert "one run per route, not judged" in first and "If the gap is more than noise" in first
+    assert "**llama.cpp in process** (Q4_1) at 0.6 s" in later and "its prefix cache explains it" in later
     # flipped: llama.cpp prefills faster and transformers wins the later calls on rate alone
     flip = _rows(**{**ISSUE, "ttft_first_s": [2.5, 5.0], "prefill_first_tok_per_s": [244.0, 108.0]})
-    first = FC.ttft_sentence(flip, floor=0.1).splitlines()[0]
-    assert "**llama.cpp in process** (Q4_1) at 2.5 s" in first and "Its prefill rate explains it" in first
+    first = FC.ttft_sentence(flip).splitlines()[0]
+    assert "**llama.cpp in process** (Q4_1) at 2.5 s" in first and "its prefill rate explains it" in first
     # later calls won by transformers, with no cache on either side: its rate, not a cache
     rate = _rows(**{**ISSUE, "ttft_later_p50_s": [3.0, 0.6], "cache_hit_later": [0.0, 0.0]})
-    later = FC.ttft_sentence(rate, floor=0.1).splitlines()[1]
-    assert "**transformers** (F32) at 0.6 s" in later and "Its prefill rate explains it, not a prefix cache" in later
-    # ... and by a route with neither more hits nor a higher rate: neither explains it
+    later = FC.ttft_sentence(rate).splitlines()[1]
+    assert "**transformers** (F32) at 0.6 s" in later and "its prefill rate explains it, not a prefix cache" in later
+    # ... and by a route with neither more hits nor a higher rate: neither goes with it
     neither = _rows(**{**ISSUE, "ttft_later_p50_s": [3.0, 0.6], "cache_hit_later": [0.5, 0.0],
                        "prefill_first_tok_per_s": [244.0, 108.0]})
-    assert "Neither more cache hits nor a higher prefill rate" in FC.ttft_sentence(neither, floor=0.1)
+    assert "Neither more cache hits nor a higher prefill rate" in FC.ttft_sentence(neither)
 
 
-def test_ttft_sentence_says_within_noise_and_when_there_is_no_later_call():
-    text = FC.ttft_sentence(_rows(**{**ISSUE, "ttft_first_s": [2.6, 2.5]}), floor=0.1)
-    assert "this run cannot rank them" in text.splitlines()[0] and "explains" not in text.splitlines()[0]
-    assert "not judged" in FC.ttft_sentence(_rows(**ISSUE), floor=None).splitlines()[0]
+def test_ttft_sentence_judges_no_gap_and_says_when_there_is_no_later_call():
+    """Issue 31, 13: "later calls ... 1.15×, outside the band": one call per route against the A/A
+    band of another experiment. A single value per route is given, never judged."""
+    text = FC.ttft_sentence(_rows(**{**ISSUE, "ttft_later_p50_s": [0.6, 0.69]}))
+    assert "(1.15×; one run per route, not judged)" in text.splitlines()[1]
+    assert not re.search(r"\b(outside|inside) the A/A noise band\b", text)
     one = _rows(**{**ISSUE, "ttft_later_p50_s": [math.nan, math.nan], "calls": [1, 1]})
-    assert "none here (one call per route)" in FC.ttft_sentence(one, floor=0.1)
+    assert "none here (one call per route)" in FC.ttft_sentence(one)
+
+
+# decode ceilings (tok/s) per weight format: 15-30 % of them, as in the issue's run
+CEIL = {"Q4_1": 160.0, "F32": 80.0}
 
 
 def test_rates_sentence_reads_decode_and_prefill_separately():
-    text = FC.rates_sentence(_rows(**ISSUE), floor=0.1)
-    assert "Prefill rate of call 1, tok/s, highest first: transformers (F32) 244, llama.cpp" in text
-    assert "4-bit led decode and lost prefill" in text
+    text = FC.rates_sentence(_rows(**ISSUE), CEIL)
+    assert "Prefill rate of call 1, tok/s, highest first in this run: transformers (F32) 244, llama.cpp" in text
+    assert "4-bit led decode and trailed prefill" in text and "one run per route, not judged" in text
     flip = _rows(**{**ISSUE, "prefill_first_tok_per_s": [244.0, 108.0], "decode_tok_per_s": [12.0, 40.0]})
-    assert "4-bit lost decode and led prefill" in FC.rates_sentence(flip, floor=0.1)
+    assert "4-bit trailed decode and led prefill" in FC.rates_sentence(flip, CEIL)
     both = _rows(**{**ISSUE, "prefill_first_tok_per_s": [300.0, 108.0]})
-    assert "4-bit led both phases" in FC.rates_sentence(both, floor=0.1)
-    near = _rows(**{**ISSUE, "prefill_first_tok_per_s": [240.0, 244.0]})
-    assert "In prefill the two are within noise" in FC.rates_sentence(near, floor=0.1)
-    assert "not a verdict" in FC.rates_sentence(_rows(**ISSUE), floor=None)
+    assert "4-bit led both phases" in FC.rates_sentence(both, CEIL)
     no_float = _rows(**ISSUE, quantization=["Q4_1", "Q8_0"])
-    assert "cannot set the two bounds side by side" in FC.rates_sentence(no_float)
+    assert "cannot set the two bounds side by side" in FC.rates_sentence(no_float, CEIL)
+
+
+def test_rates_sentence_says_bandwidth_bound_only_from_the_measured_share():
+    """Issue 31, 13: "fewer bytes help bandwidth-bound decode" at 15-30 % of the ceilings."""
+    low = FC.rates_sentence(_rows(**ISSUE), CEIL)                  # 40/160 = 25 %, 12/80 = 15 %
+    assert "llama.cpp in process 25% (not bandwidth-bound here)" in low and "transformers 15%" in low
+    assert "do not explain a decode gap here" in low and not re.search(r"(?<!not )\bbandwidth-bound here", low)
+    high = FC.rates_sentence(_rows(**{**ISSUE, "decode_tok_per_s": [120.0, 50.0]}), CEIL)   # 75 %, 62 %
+    assert "llama.cpp in process 75% (bandwidth-bound here)" in high and "fewer bytes per token do help" in high
+    assert "not bandwidth-bound" not in high
+    none = FC.rates_sentence(_rows(**ISSUE))
+    assert "not measured" in none and "% (bandwidth-bound here)" not in none
+    shares = FC.ceiling_shares(_rows(**ISSUE), CEIL)
+    assert shares.tolist() == pytest.approx([0.25, 0.15])
 
 
 def test_format_names():
@@ -333,18 +374,16 @@ def test_thread_scaling_reads_speedups_from_paired_trials(monkeypatch):
 
 
 def test_later_calls_set_a_route_without_a_cache_beside_the_two_lowest():
-    """The full-size run's shape: two cached routes within noise, transformers re-prefilling."""
+    """The full-size run's shape: two cached routes close together, transformers re-prefilling."""
     rows = pd.DataFrame({"ran": [True] * 3, "quantization": ["Q4_1", "Q4_1", "F32"], "calls": [2] * 3,
                          "ttft_first_s": [13.8, 12.5, 5.2], "ttft_later_p50_s": [2.66, 3.18, 6.15],
                          "prefill_first_tok_per_s": [42.0, 46.0, 113.0], "cache_hit_first": [0.01, 0.01, 0.0],
                          "cache_hit_later": [0.83, 0.83, 0.0]},
                         index=["llama.cpp in process", "llama-server", "transformers"])
-    later = FC.ttft_sentence(rows, floor=0.42).splitlines()[1]
-    assert "warm: call 2, one per route" in later and "this run cannot rank them" in later
-    assert "transformers, which reused no prefix (0% cached), took 6.15 s" in later and "outside" in later
-    near = FC.ttft_sentence(rows.assign(ttft_later_p50_s=[2.66, 3.18, 3.3]), floor=0.42).splitlines()[1]
-    assert "transformers, which reused no prefix" in near and "took 3.3 s on them, 1.24× the lowest (inside" in near
-    cached = FC.ttft_sentence(rows.assign(cache_hit_later=[0.83, 0.83, 0.5]), floor=0.42)
+    later = FC.ttft_sentence(rows).splitlines()[1]
+    assert "warm: call 2, one per route" in later and "(1.20×; one run per route, not judged)" in later
+    assert "transformers, which reused no prefix (0% cached), took 6.15 s on them, 2.31× the lowest" in later
+    cached = FC.ttft_sentence(rows.assign(cache_hit_later=[0.83, 0.83, 0.5]))
     assert "reused no prefix" not in cached
-    three = FC.ttft_sentence(rows.assign(calls=[3] * 3), floor=0.42)
+    three = FC.ttft_sentence(rows.assign(calls=[3] * 3))
     assert "calls 2 to 3, their TTFT p50 per route" in three

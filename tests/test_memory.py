@@ -79,3 +79,23 @@ def test_decode_speeds_are_judged_against_the_reference_rerun():
     assert rows["q8_0"]["verdict"] == "within noise"
     one, none = _judged({"f16": [100.0], "q8_0": [90.0]}, "f16", "A/A")
     assert none is None and one["q8_0"]["verdict"] == "1 run: not judged"
+
+
+def test_context_shape_uses_the_tables_own_estimator(monkeypatch):
+    """Issue 31, 12 cell 14: the table said 0.83 [0.79, 0.85] (median of paired ratios) and the
+    sentence 'measured 0.84' (a ratio of medians). Both now come from the `vs_` column: speeds
+    whose two estimators differ must print the paired one, in the table, sentence and plot."""
+    from infercourse.measure import noise
+    # paired ratios 0.5, 0.8, 0.9: median 0.8; medians 100 and 50: ratio 0.5
+    speeds = {"64 tokens": [100.0, 120.0, 50.0], "1536 tokens": [50.0, 96.0, 45.0], "A/A": [101.0, 119.0, 51.0]}
+    monkeypatch.setattr(noise, "run_interleaved", lambda arms, repeats, warmup=0: speeds)
+    card = {"n_layers": 30, "n_kv_heads": 3, "head_dim": 64, "weight_bytes": 96_600_000, "n_params": 134_500_000}
+    growth = mem.decode_vs_context(None, lambda text: [0] * len(text.split()), [64, 1536], card=card,
+                                   bandwidth_gbs=20.0, repeats=3)
+    paired = growth.loc[1536, "vs_64 tokens"]
+    assert paired == pytest.approx(0.8) and growth.loc[1536, "decode_tok_per_s"] / growth.loc[64, "decode_tok_per_s"] \
+        == pytest.approx(0.5)
+    rel = mem.shapes_vs_context(growth)
+    assert rel.loc[1536, "measured"] == pytest.approx(0.8) and rel.loc[64, "measured"] == pytest.approx(1.0)
+    text = mem.shape_sentence(growth)
+    assert "measured 0.80" in text and "measured 0.50" not in text

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from infercourse.lessons import draft_verify as dv, mtp  # noqa: E402
+from infercourse.lessons import draft_verify as dv, mtp, mtp_claims, mtp_decode  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +57,14 @@ def test_drafting_with_heads_keeps_greedy_output(tiny):
     heads, _ = mtp.train_heads(tiny, feats, n_heads=2, kind="mtp", steps=60, batch=64, lr=1e-2)
     ids = _docs(1, 8)[0]
     plain = speculative_greedy(tiny, ids, 20, lambda s, h: [])
-    drafted = speculative_greedy(tiny, ids, 20, mtp.heads_drafter(heads))
+    drafted = speculative_greedy(tiny, ids, 20, mtp_decode.heads_drafter(heads))
     assert drafted["tokens"] == plain["tokens"]
     assert drafted["proposed"] > 0 and drafted["passes"] == 20 - drafted["accepted"]
     # a confidence floor drafts less, never differently: over 1 nothing is proposed
     h = feats[0]["H"][5]
     assert heads.draft(h, 3, min_prob=1.01) == [] and len(heads.draft(h, 3)) == 2
     assert heads.draft(h, 3, min_prob=1e-9) == heads.draft(h, 3)
-    shy = speculative_greedy(tiny, ids, 20, mtp.heads_drafter(heads, min_prob=0.9))
+    shy = speculative_greedy(tiny, ids, 20, mtp_decode.heads_drafter(heads, min_prob=0.9))
     assert shy["tokens"] == plain["tokens"] and shy["proposed"] <= drafted["proposed"]
 
 
@@ -105,14 +105,14 @@ def test_draft_length_caps_the_guesses_and_keeps_greedy_output(tiny):
     feats = mtp.trunk_features(tiny, _docs())
     heads, _ = mtp.train_heads(tiny, feats, n_heads=2, kind="medusa", steps=150, batch=64, lr=1e-2)
     h = feats[0]["H"][5]
-    assert len(mtp.heads_drafter(heads, max_draft=1)([3], h)) == 1 and len(mtp.heads_drafter(heads)([3], h)) == 2
+    assert len(mtp_decode.heads_drafter(heads, max_draft=1)([3], h)) == 1 and len(mtp_decode.heads_drafter(heads)([3], h)) == 2
     ids = _docs(1, 8)[0]
-    one, two = (mtp.draft_length_run(tiny, ids, heads, k, 20, compare=dv.compare_drafters) for k in (1, 2))
+    one, two = (mtp_decode.draft_length_run(tiny, ids, heads, k, 20, compare=dv.compare_drafters) for k in (1, 2))
     assert one.name == "first 1 head(s)" and one["identical"] and two["identical"]
     assert one["proposed"] <= one["passes"] and 1.0 <= one["tokens_per_pass"] <= 2.0
     assert two["proposed"] > two["passes"] >= one["proposed"]      # uncapped: two guesses on most passes
     with pytest.raises(ValueError, match="draft_len"):
-        mtp.draft_length_run(tiny, ids, heads, 3, 20, compare=dv.compare_drafters)
+        mtp_decode.draft_length_run(tiny, ids, heads, 3, 20, compare=dv.compare_drafters)
 
 
 def test_compare_drafters_repeats_interleaved_with_an_aa_floor(tiny):
@@ -121,10 +121,10 @@ def test_compare_drafters_repeats_interleaved_with_an_aa_floor(tiny):
     df = compare_drafters(tiny, ids, 6, {"plain": lambda s, h: [], "echo": lambda s, h: s[-2:]}, repeats=3)
     assert list(df["drafter"]) == ["plain", "echo"] and df["verdict"].iloc[0] == "reference"
     assert df["verdict"].iloc[1] in {"plain faster", "echo faster", "within noise"}
-    assert (df["speed_up_lo"] <= df["speed_up"]).all() and (df["speed_up"] <= df["speed_up_hi"]).all()
+    assert (df["speed_up_cpu_lo"] <= df["speed_up_cpu"]).all() and (df["speed_up_cpu"] <= df["speed_up_cpu_hi"]).all()
     assert "A/A" in df.attrs["noise_floor_text"] and df["identical"].all()
     one = compare_drafters(tiny, ids, 6, {"plain": lambda s, h: []}, repeats=1)
-    assert one["speed_up"].iloc[0] == 1.0 and "no A/A" in one.attrs["noise_floor_text"]
+    assert one["speed_up_cpu"].iloc[0] == 1.0 and "no A/A" in one.attrs["noise_floor_text"]
 
 
 def test_pass_cost_times_each_width_against_one(tiny):
@@ -138,13 +138,13 @@ def test_pass_cost_times_each_width_against_one(tiny):
 
 
 def test_versus_yardstick_needs_a_gap_beyond_the_spread():
-    assert mtp.versus_yardstick(0.065, 0.065, 400).startswith("no different")    # 09's Medusa t+3 case
-    assert mtp.versus_yardstick(0.20, 0.065, 400).startswith("clear of")
-    assert mtp.versus_yardstick(0.08, 0.065, 100).startswith("no different")     # 1.5 pp on 100 positions: noise
+    assert mtp_claims.versus_yardstick(0.065, 0.065, 400).startswith("no different")    # 09's Medusa t+3 case
+    assert mtp_claims.versus_yardstick(0.20, 0.065, 400).startswith("clear of")
+    assert mtp_claims.versus_yardstick(0.08, 0.065, 100).startswith("no different")     # 1.5 pp on 100 positions: noise
     # 09's medusa t+2 case: 3.7 points over a 2 SE of 3.2 (independent), not over correlated positions
-    both = mtp.versus_yardstick(0.337, 0.30, 800)
+    both = mtp_claims.versus_yardstick(0.337, 0.30, 800)
     assert both.startswith("above") and "may be real, or noise" in both
-    assert mtp.versus_yardstick(0.01, 0.10, 1000).startswith("below")
+    assert mtp_claims.versus_yardstick(0.01, 0.10, 1000).startswith("below")
 
 
 def test_findings_flip_with_the_numbers():
@@ -158,11 +158,11 @@ def test_findings_flip_with_the_numbers():
         d = pd.DataFrame(rows, columns=["kind", "head", "head_alone", "positions"])
         d["tokens_per_pass"] = 1 + d["head_alone"]
         return d.set_index(["kind", "head"])
-    runs = pd.DataFrame([{"drafter": "mtp heads", "prompt": "open", "speed_up": 0.8, "speed_up_lo": 0.7,
-                          "speed_up_hi": 0.9, "verdict": "plain faster"}])
+    runs = pd.DataFrame([{"drafter": "mtp heads", "prompt": "open", "speed_up_cpu": 0.8, "speed_up_cpu_lo": 0.7,
+                          "speed_up_cpu_hi": 0.9, "verdict": "plain faster"}])
     step = pd.DataFrame({"cost_vs_1": [1.0, 1.9, 2.0], "verdict": ["reference", "more", "more"]}, index=[1, 3, 11])
     slope = step.assign(cost_vs_1=[1.0, 1.2, 2.0])
-    a, b = mtp.findings(acc(0.10, 0.30), runs, step), mtp.findings(acc(0.30, 0.10), runs, slope)
+    a, b = mtp_claims.findings(acc(0.10, 0.30), runs, step), mtp_claims.findings(acc(0.30, 0.10), runs, slope)
     assert "mtp is clear of medusa" in a[1] and "mtp is below medusa" in b[1]
     assert "**step**" in a[0] and "**slope**" in b[0]
     assert "plain faster" in a[-1]

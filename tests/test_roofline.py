@@ -64,9 +64,44 @@ def test_bandwidth_units(monkeypatch):
     assert rl.matmul_gflops(64) == pytest.approx(2 * 64**3 / 0.5 / 1e9)
 
 
+def test_matmul_runs_on_the_threads_it_is_given(monkeypatch):
+    """Issue 31: 11's f32 roof read 13 GFLOP/s, ~9x below torch on the same VM. numpy's BLAS
+    spread over every core, and collapses when any core is busy; the server it is a roof for
+    runs 1 thread. With `threads`, the matmul runs in a child whose BLAS starts with that many."""
+    seen = {}
+
+    def fake_run(argv, env, **kw):
+        seen.update(argv=argv, env=env)
+        return SimpleNamespace(stdout="123.5\n")
+    monkeypatch.setattr(rl.subprocess, "run", fake_run)
+    assert rl.matmul_gflops(256, threads=1) == 123.5
+    assert all(seen["env"][v] == "1" for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+    assert seen["argv"][-3] == "256"
+
+
+def test_probe_measures_the_matmul_on_the_engines_threads(monkeypatch):
+    calls = []
+    monkeypatch.setattr(rl, "memory_bandwidth_gbs", lambda size, threads, budget_s: {"read_gbs": 10.0 * threads,
+                                                                                     "copy_gbs": 5.0})
+    monkeypatch.setattr(rl, "matmul_gflops", lambda n, threads=None, **kw: calls.append(threads) or 100.0)
+    one = rl.probe(threads=1, quick=True)
+    assert calls == [1] and one["matmul_threads"] == 1 and one["bandwidth_gbs"] == 10.0
+    assert rl.probe(threads=2, quick=True)["matmul_threads"] == 2 and calls[-1] == 2
+
+
+@pytest.mark.slow
+def test_matmul_on_one_thread_is_positive_and_torch_keeps_its_setting():
+    assert 0 < rl.matmul_gflops(128, threads=1, repeats=5, budget_s=0.2) < math.inf
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    assert rl.matmul_gflops(128, threads=1, backend="torch", repeats=3, budget_s=0.2) > 0
+    assert torch.get_num_threads() == before
+
+
 @pytest.mark.slow
 def test_probe_positive_finite_and_consistent():
     a = rl.probe(quick=True, threads=2)
+    assert a["matmul_threads"] == 2
     for key in ("read_gbs_1t", "copy_gbs_1t", "read_gbs_mt", "matmul_gflops_f32", "bandwidth_gbs"):
         assert math.isfinite(a[key]) and a[key] > 0, key
     # the ceiling used downstream is the best read probe, whatever this machine's speed

@@ -86,6 +86,10 @@ def test_prompt_lookup_is_exact_and_counted_right():
     assert df.loc["plain", "chunk_tokens_per_step"] == 1.0
     assert math.isclose(df.loc["lookup", "chunk_tokens_per_step"], df.loc["lookup", "lookup_tokens_per_step"])
     assert df.loc["lookup", "chunk_tokens_per_step"] > 1.5
+    lk = df.loc["lookup"]                       # the replayed counts the Explain sentence quotes
+    assert lk["lookup_steps"] == df.loc["lookup", "chunk_steps"] and 0 < lk["lookup_proposing_steps"] <= lk["lookup_steps"]
+    assert 0 < lk["lookup_accepted"] <= lk["lookup_proposed"]
+    assert "speed_up_e2e" in df.columns and "speed_up" not in df.columns
 
 
 @pytest.mark.slow
@@ -155,7 +159,7 @@ def test_speed_ups_are_judged_against_the_baselines_aa_rerun():
             rows.append({"config": cfg, "prompt": "p", "rep": rep, "e2e_s": e2e * jitter, "text": "t"})
     df = _judge(pd.DataFrame(rows), {"hf": "hf", "fast": "hf", "same": "hf"}, {"hf (A/A)": "hf"}).set_index("config")
     assert "hf (A/A)" not in df.index and df.loc["hf", "verdict"] == "reference"
-    assert df.loc["fast", "verdict"] == "fast faster" and df.loc["fast", "speed_up"] == pytest.approx(2.0)
+    assert df.loc["fast", "verdict"] == "fast faster" and df.loc["fast", "speed_up_e2e"] == pytest.approx(2.0)
     assert df.loc["same", "verdict"] == "within noise" and df.loc["same", "noise_floor"] > 0.02
     assert df["identical_output"].all()
 
@@ -172,10 +176,11 @@ def _trials(reps, fast=0.5):
 
 
 def test_explain_speculation_words_follow_the_verdicts_and_say_range():
-    from infercourse.lessons.speculative import _judge, explain_speculation
+    from infercourse.lessons.spec_claims import explain_speculation
+    from infercourse.lessons.speculative import _judge
     base = {"hf": "hf", "hf + lookup": "hf"}
     df = _judge(_trials(6), base, {"hf (A/A)": "hf"})
-    assert df.set_index("config").loc["hf + lookup", "speed_up_exact"]
+    assert df.set_index("config").loc["hf + lookup", "speed_up_e2e_exact"]
     text = explain_speculation(df, base)
     assert "95% interval [" in text and "faster than hf, beyond the A/A noise" in text
     assert "hit (≥ 1.5 tokens per target pass): hf + lookup / grounded: faster than hf" in text
@@ -185,7 +190,7 @@ def test_explain_speculation_words_follow_the_verdicts_and_say_range():
     # 2 pairs: the bracket is the range of the ratios, and the test can never pass
     few = _judge(_trials(2, fast=0.9), base, {"hf (A/A)": "hf"})
     text = explain_speculation(few, base)
-    assert not few.set_index("config").loc["hf + lookup", "speed_up_exact"]
+    assert not few.set_index("config").loc["hf + lookup", "speed_up_e2e_exact"]
     assert "range [" in text and "interval" not in text and "too few pairs to rank against hf" in text
     assert "within noise" not in text
     assert "With 2 pairs the permutation test can never pass (it needs at least 3)" in text
@@ -194,11 +199,11 @@ def test_explain_speculation_words_follow_the_verdicts_and_say_range():
 
 def test_loop_verdicts_say_range_or_interval():
     import pandas as pd
-    from infercourse.lessons.speculative import loop_verdicts
-    loops = pd.DataFrame([{"drafter": "plain", "tokens_per_pass": 1.0, "speed_up": 1.0, "speed_up_lo": 1.0,
-                           "speed_up_hi": 1.0, "speed_up_exact": False, "speed_up_pairs": 2, "verdict": "reference"},
-                          {"drafter": "lookup", "tokens_per_pass": 3.0, "speed_up": 1.5, "speed_up_lo": 1.2,
-                           "speed_up_hi": 1.8, "speed_up_exact": False, "speed_up_pairs": 2, "verdict": "within noise"}])
+    from infercourse.lessons.spec_claims import loop_verdicts
+    loops = pd.DataFrame([{"drafter": "plain", "tokens_per_pass": 1.0, "speed_up_cpu": 1.0, "speed_up_cpu_lo": 1.0,
+                           "speed_up_cpu_hi": 1.0, "speed_up_cpu_exact": False, "speed_up_cpu_pairs": 2, "verdict": "reference"},
+                          {"drafter": "lookup", "tokens_per_pass": 3.0, "speed_up_cpu": 1.5, "speed_up_cpu_lo": 1.2,
+                           "speed_up_cpu_hi": 1.8, "speed_up_cpu_exact": False, "speed_up_cpu_pairs": 2, "verdict": "within noise"}])
     text = loop_verdicts(loops)
     assert "plain" not in text.split("**lookup**")[0] and "range [1.20, 1.80] of 2 pairs" in text
     assert "within noise of plain" in text and "can never pass" not in text
@@ -241,5 +246,75 @@ def test_versus_plain_returns_the_drafters_row(transformers_engine):
     truth = speculative_greedy(m, ids, n, lambda s, h: [])["tokens"]
     row = versus_plain(m, ids, n, lambda s, h: truth[len(s) - len(ids):][:3], repeats=2)
     assert row["passes"] == 2 and row["tokens_per_pass"] == 4.0 and row["acceptance_rate"] == 1.0
-    assert row["identical"] and row["plain_cpu_s"] > 0 and row["speed_up"] > 0
+    assert row["identical"] and row["plain_cpu_s"] > 0 and row["speed_up_cpu"] > 0
     assert "tokens" not in row and "verdict" in row
+
+
+# ---- issue 31 §3: the open prompt's proposals in numbers; each speed-up named by its clock ----
+def test_replay_counts_the_passes_that_proposed_anything():
+    out = list(range(100, 110))
+    r = replay_acceptance([1, 2], out, lambda seq: np.array([0]) if len(seq) % 3 == 0 else np.array([], int))
+    assert 0 < r["proposing_steps"] < r["steps"] and r["proposed"] == r["proposing_steps"]
+    none = replay_acceptance([1, 2], out, lambda seq: np.array([], int))
+    assert none["proposing_steps"] == 0 and none["steps"] == 10
+
+
+def _lookup_row(steps, proposing, proposed, accepted, prompt="open"):
+    import pandas as pd
+    return next(pd.DataFrame([{"config": "hf + lookup", "prompt": prompt, "lookup_steps": steps,
+                               "lookup_proposing_steps": proposing, "lookup_proposed": proposed,
+                               "lookup_accepted": accepted}]).itertuples())
+
+
+def test_proposals_sentence_is_computed_from_the_counts():
+    """08 said "proposals are rare and mostly wrong" on the open prompt; 09 counted 67
+    proposals in 23 passes there. The words now come from the replayed counts and flip."""
+    import re
+    from infercourse.lessons.spec_claims import proposals_sentence
+    often = proposals_sentence(_lookup_row(23, 20, 67, 40))
+    rare = proposals_sentence(_lookup_row(23, 4, 9, 2))
+    assert re.search(r"\*\*frequent\*\*", often) and re.search(r"\*\*mostly right\*\*", often)
+    assert "in 20 of 23 target passes, 67 tokens proposed, 40 accepted" in often
+    assert re.search(r"\*\*rare\*\*", rare) and re.search(r"\*\*mostly wrong\*\*", rare)
+    assert "rare" not in often and "wrong" not in often
+    half = proposals_sentence(_lookup_row(12, 6, 20, 10))          # 08 at CI size: 50% is not "mostly right"
+    assert "**half** the passes" in half and "**right half the time**" in half and "mostly" not in half
+    assert "nothing was guessed" in proposals_sentence(_lookup_row(16, 0, 0, 0))
+    assert proposals_sentence(_lookup_row(float("nan"), float("nan"), 0, 0)) == ""
+
+
+def test_explain_speculation_lists_the_proposals_and_names_each_clock():
+    import pandas as pd
+    from infercourse.lessons.spec_claims import explain_speculation
+    from infercourse.lessons.speculative import _judge
+    base = {"hf": "hf", "hf + lookup": "hf"}
+    trials = _trials(6).assign(lookup_steps=5, lookup_proposing_steps=1, lookup_proposed=3, lookup_accepted=1,
+                               lookup_tokens_per_step=1.2, lookup_acceptance=1 / 3)
+    df = _judge(trials, base, {"hf (A/A)": "hf"})
+    assert "speed_up" not in df.columns and {"speed_up_e2e", "speed_up_e2e_lo", "speed_up_e2e_hi"} <= set(df.columns)
+    server = pd.DataFrame([{"config": "plain", "prompt": "open", "draft_n": 0, "draft_n_accepted": 0,
+                            "speed_up_decode": 1.0},
+                           {"config": "ngram-simple", "prompt": "open", "draft_n": 10, "draft_n_accepted": 4,
+                            "speed_up_decode": 1.3}])
+    text = explain_speculation(df, base, server)
+    assert "end-to-end speed-up" in text and "decode speed-up 1.30× plain" in text
+    assert "proposals in 1 of 5 target passes" in text and "**rare**" in text
+
+
+def test_helps_guess_is_scored_by_the_verdicts_only():
+    import re
+    from infercourse.lessons.spec_claims import helps_guess_text
+    from infercourse.lessons.speculative import _judge
+    base = {"hf": "hf", "hf + lookup": "hf"}
+    fast = _judge(_trials(6), base, {"hf (A/A)": "hf"})                  # lookup faster beyond noise
+    slow = _judge(_trials(6, fast=2.0), base, {"hf (A/A)": "hf"})        # lookup slower beyond noise
+    few = _judge(_trials(2, fast=0.9), base, {"hf (A/A)": "hf"})         # too few pairs
+    assert re.search(r"✓ confirmed", helps_guess_text({"grounded": "hf + lookup"}, fast, base))
+    assert re.search(r"✗ not what this run found", helps_guess_text({"grounded": "hf + lookup"}, slow, base))
+    assert re.search(r"✗ not what this run found", helps_guess_text({"grounded": "none"}, fast, base))
+    assert re.search(r"✓ confirmed", helps_guess_text({"grounded": "none"}, slow, base))
+    assert "neither confirm nor refute" in helps_guess_text({"grounded": "hf + lookup"}, few, base)
+    assert "neither confirm nor refute" in helps_guess_text({"grounded": "none"}, few, base)
+    unanswered = helps_guess_text({"grounded": None, "open": None}, fast, base)
+    assert unanswered.startswith("Not answered yet") and "hf + lookup" not in unanswered
+    assert "not a configuration" in helps_guess_text({"grounded": "lookup"}, fast, base)

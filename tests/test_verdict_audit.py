@@ -20,14 +20,14 @@ from infercourse.measure import noise
 
 # function -> how a too-few verdict reaches the learner
 AUDITED = {
-    "cli.py:report_main": "results.compare (a table of the runs), not noise.compare: no verdict",
+    "cli/report.py:report_main": "results.compare (a table of the runs), not noise.compare: no verdict",
     "lessons/capstone.py:route_comparison": "Comparisons passed to fastest(), which counts too_few",
     "lessons/capstone.py:changed_most": "names the routes judged on too few calls (tested below)",
     "lessons/capstone.py:delay_text": "claims.verdict_sentence",
     "lessons/classic_problems.py:like_for_like": "claims.verdict_sentence",
     "lessons/concurrency.py:np_sweep": "verdict column (the verdict string)",
     "lessons/concurrency.py:cb_compare": "verdict column; cb_sentence uses claims.verdict_sentence",
-    "lessons/draft_verify.py:compare_drafters": "verdict column; speculative.loop_verdicts (tested below)",
+    "lessons/draft_verify.py:compare_drafters": "verdict column; spec_claims.loop_verdicts (tested below)",
     "lessons/draft_verify.py:pass_cost": "verdict column: Comparison.said (tested below)",
     "lessons/fair.py:fair_table": "results.compare, not noise.compare: no verdict",
     "lessons/fair.py:server_vs_in_process": "Comparison.said in fair_claims",
@@ -35,9 +35,9 @@ AUDITED = {
     "lessons/latency.py:clock_verdicts": "verdict column (the verdict string, tested below)",
     "lessons/memory.py:_judged": "verdict column (the verdict string)",
     "lessons/model_routing.py:judge": "_verdict_lines (tested below)",
-    "lessons/mtp.py:draft_length_run": "draft_verify.compare_drafters' verdict column",
+    "lessons/mtp_decode.py:draft_length_run": "draft_verify.compare_drafters' verdict column",
     "lessons/routing.py:judge_policies": "claims.verdict_sentence in policy_text",
-    "lessons/speculative.py:_judge": "verdict column; outcome() (tested below)",
+    "lessons/speculative.py:_judge": "verdict column; spec_claims.outcome() (tested below)",
     "lessons/symptoms.py:context_growth": "Comparison.said",
     "lessons/symptoms.py:cpu_contention": "Comparison.said",
     "measure/quant_speed.py:request_trials": "decode_verdict column; quant_explain.speed_class (tested below)",
@@ -79,12 +79,12 @@ def _no_bare_within_noise(text: str) -> None:
 
 
 def test_writers_of_their_own_words_say_too_few():
-    from infercourse.lessons import capstone, model_routing, quant_explain, speculative
+    from infercourse.lessons import capstone, model_routing, quant_explain, spec_claims
     from infercourse.measure import claims
     c = _few()
     assert c.verdict == noise.TOO_FEW
     _no_bare_within_noise(claims.verdict_sentence(c))
-    _no_bare_within_noise(speculative.outcome(c.verdict, "B", "A"))
+    _no_bare_within_noise(spec_claims.outcome(c.verdict, "B", "A"))
     assert quant_explain.speed_class({"decode_verdict": c.verdict, "format": "B", "speedup_vs": "A"}) == "too few pairs"
     wide = pd.DataFrame({"awake": [1.0, 1.1], "awake A/A": [1.01, 1.1], "after sleep": [3.0, 3.3]})
     lines = model_routing._verdict_lines(wide, "median TTFT", "a wins", "b wins", "- did not clear the A/A floor")

@@ -7,20 +7,17 @@ other. Three ideas carry the lesson:
   closed loop of N users always has L = N, so its λ is N / W: throughput is bought with
   concurrency until W starts to grow. An open loop fixes λ; when λ exceeds what the
   server can finish, the queue (and W) grows without bound.
-- **Batching pays while decode is memory-bound**: one decode step streams every weight
-  from memory for *one* token per sequence. With B sequences in the batch the same read
-  serves B tokens, but each sequence still reads its *own* KV cache, so the ceiling is
-  B x bandwidth / (weights + B x KV bytes x context): it rises with B until either the
-  KV reads dominate or the machine's FLOP/s (2 FLOPs per parameter per token, the LM
-  head included) is the limit. `batch_ceiling` computes both; quantized weights cost
-  extra arithmetic (dequantization) per byte, so a Q4 file reaches the compute wall at a
-  smaller B.
+- **Batching shares whatever a step pays once**: one decode step streams every weight
+  for *one* token per sequence, so B sequences share that read (and the step's fixed
+  overheads), while each still pays its own arithmetic and KV reads. The roofs per batch
+  size are `roofline.batch_ceiling`; what bound a run is read from the run
+  (`lessons.goodput.limit_sentence`, `measure.regime`).
 - **Continuous batching**: llama-server's slots join the running batch as soon as a
   request arrives (`-cb`, the default); without it (`-nocb`), a new request waits for
   the batch in flight to finish, and its TTFT shows the wait.
 
-Reading the curve this module measures (the knee, goodput, what limits it) is in
-`lessons.goodput`.
+Reading the curve this module measures (the knee, goodput, what limits it: the regime) is
+in `lessons.goodput`.
 
 Every comparison is repeated and interleaved (`measure.noise`): each level runs
 `repeats` times in shuffled blocks (`measure.interleave`: the order inside a block is chance) beside
@@ -40,12 +37,12 @@ import pandas as pd
 
 from infercourse.core import summary
 from infercourse.core.types import Request
-from infercourse.measure import bench, noise, roofline
+from infercourse.measure import bench, noise
 from infercourse.measure.workloads import Workload, exact_length_prompt
 from infercourse.models.embedded import vocab_tokenizer
 
-__all__ = ["fixed_workload", "decode_params_per_token", "batch_ceiling", "np_sweep", "one_level", "vllm_sweep", "staggered",
-           "littles_law", "cb_compare", "open_loop", "cb_prediction", "cb_sentence", "limit_sentence"]
+__all__ = ["fixed_workload", "np_sweep", "one_level", "vllm_sweep", "staggered", "littles_law", "cb_compare",
+           "open_loop", "cb_prediction", "cb_sentence"]
 
 
 def fixed_workload(prompt_tokens: int, max_tokens: int, n: int, *, model: str | Path | None = None,
@@ -63,41 +60,6 @@ def fixed_workload(prompt_tokens: int, max_tokens: int, n: int, *, model: str | 
     reqs = tuple(Request(prompt=exact_length_prompt(prompt_tokens, tok, seed=seed + i), max_tokens=max_tokens,
                          ignore_eos=True, seed=seed) for i in range(n))
     return Workload(f"fixed-{prompt_tokens}in-{max_tokens}out-x{n}", reqs)
-
-
-def decode_params_per_token(card: Any) -> float:
-    """Parameters every decoded token is multiplied by: all of them, the LM head included
-    (tied embeddings are counted once in the card, and the head multiplies by that matrix
-    while the input lookup is free). Prefill's `roofline.prefill_params_per_token` leaves
-    the head out because it runs for the last prompt token only; decode runs it every token."""
-    return float(card["n_params"] if isinstance(card, dict) else card.n_params)
-
-
-def batch_ceiling(card: Any, machine: dict[str, Any], batch_sizes: Sequence[int], context: int = 0) -> pd.DataFrame:
-    """Aggregate decode ceiling when B sequences share each pass over the weights.
-
-    memory bound: B x bandwidth / (weights + B x KV bytes per token x context): the weights
-        are read once per step for the whole batch, but each sequence reads its own KV cache
-    compute bound: FLOP/s / (2 x params), the LM head included (`decode_params_per_token`)
-    The ceiling is the lower of the two; the crossover B is the machine's balance point.
-
-    Args:
-        card: the model card; machine: `roofline.probe()` output.
-        batch_sizes: sequences decoded together.
-        context: tokens already cached per sequence.
-    """
-    weights = roofline.bytes_per_decoded_token(card, 0)
-    kv_ctx = roofline.bytes_per_decoded_token(card, context) - weights     # one sequence's KV read
-    params = decode_params_per_token(card)
-    compute = machine["matmul_gflops_f32"] * 1e9 / (2 * params)
-    rows = []
-    for b in batch_sizes:
-        step_bytes = weights + b * kv_ctx
-        mem = b * machine["bandwidth_gbs"] * 1e9 / step_bytes
-        rows.append({"batch": b, "flops_per_byte": 2 * params * b / step_bytes,
-                     "memory_bound_tok_per_s": mem, "compute_bound_tok_per_s": compute,
-                     "ceiling_tok_per_s": min(mem, compute), "bound": "memory" if mem < compute else "compute"})
-    return pd.DataFrame(rows).set_index("batch")
 
 
 def _server(model, n_parallel: int, ctx_per_slot: int, threads: int | None, extra: Sequence[str]):
@@ -155,7 +117,9 @@ def np_sweep(workload: Workload, levels: Sequence[int], *, requests_per_level: i
     mean E2E, and `L_server`, the server's own mean requests processing + deferred) and the
     runs (A/A reruns excluded). With repeats >= 2 each row also has `gain` (median paired
     ratio of output tok/s to the first level), `gain_lo`/`gain_hi` and `verdict`
-    (`noise.compare_arms`; the A/A band in `attrs["noise_floor"]`, `attrs["noise_floor_text"]`).
+    (`noise.compare_arms`; the A/A band in `attrs["noise_floor"]`, `attrs["noise_floor_text"]`),
+    and the same for the aggregate decode rate (`decode_gain`, `decode_verdict`, its band in
+    `attrs["decode_noise_floor"]`).
 
     Args:
         workload: requests (e.g. `fixed_workload`), cycled.
@@ -188,12 +152,13 @@ def np_sweep(workload: Workload, levels: Sequence[int], *, requests_per_level: i
             table.loc[n, ["gain", "gain_lo", "gain_hi"]] = (c.interval.median, c.interval.lo, c.interval.hi) \
                 if c else (1.0, 1.0, 1.0)
             table.loc[n, "verdict"] = c.verdict.replace(" faster", " more tok/s") if c else "reference"
-        dv, _ = noise.compare_arms(trials, "decode_tok_per_s", f"np{levels[0]}", aa, higher_is_better=True)
+        dv, dfloor = noise.compare_arms(trials, "decode_tok_per_s", f"np{levels[0]}", aa, higher_is_better=True)
         for n in levels:
             c = dv.get(f"np{n}")
             table.loc[n, "decode_gain"] = c.interval.median if c else 1.0
             table.loc[n, "decode_verdict"] = c.verdict.replace(" faster", " more decode tok/s") if c else "reference"
-        table.attrs.update(noise_floor=floor.floor, noise_floor_text=floor.text())
+        # each rate is judged against its own A/A band: the decode rate's, not the end-to-end one's
+        table.attrs.update(noise_floor=floor.floor, noise_floor_text=floor.text(), decode_noise_floor=dfloor.floor)
     return table, [r for r, k in zip(runs, keep) if k]
 
 
@@ -368,27 +333,3 @@ def cb_sentence(cb: pd.DataFrame, predicted: dict | None = None) -> str:
                            "could **not** resolve an effect of that size: whatever the verdict, it is not evidence "
                            "about continuous batching on this machine."))
     return "\n".join(f"- {x}" for x in parts)
-
-
-def limit_sentence(table: pd.DataFrame, roof: pd.DataFrame) -> str:
-    """What limits the top of the curve, from the run: the aggregate decode rate (N / TPOT)
-    against batch size (flat: each sequence brings its own arithmetic, compute-bound; rising:
-    a shared weight read, memory-bound), the prefill share of each request (the part of
-    end-to-end throughput that is not decode), and the roof it is held under."""
-    from infercourse.measure import claims
-    d = table["decode_tok_per_s"]
-    floor = table.attrs.get("noise_floor")
-    trend = claims.trend_sentence(list(d.index), list(d), floor, what="aggregate decode rate (N ÷ TPOT p50)",
-                                  x_name="batch")
-    if "decode_verdict" in table:
-        trend += f" Paired test at {d.index[-1]} users: {table['decode_verdict'].iloc[-1]}."
-    share = table["prefill_share"]
-    pre = (f"Before its first token each request spent {share.min():.0%}–{share.max():.0%} of its time (median "
-           f"TTFT ÷ E2E), so end-to-end throughput ({table['output_tok_per_s'].iloc[0]:.3g} → "
-           f"{table['output_tok_per_s'].iloc[-1]:.3g} tok/s) understates decode by that much.")
-    row = roof.loc[d.index[-1]] if d.index[-1] in roof.index else roof.iloc[-1]
-    src = roof.attrs.get("compute_source", "")
-    top = f"The compute roof is {row['compute_roof_tok_per_s']:.3g} tok/s ({src}); the decode rate at the top level is " \
-          f"{d.iloc[-1] / row['compute_roof_tok_per_s']:.0%} of it and {d.iloc[-1] / row['memory_bound_tok_per_s']:.0%} " \
-          f"of the memory roof."
-    return " ".join([trend, pre, top])

@@ -145,9 +145,9 @@ def compare_drafters(model, ids: Sequence[int], max_new: int, drafters: dict, *,
     """Run `speculative_greedy` with each drafter, `repeats` times in interleaved (rotating)
     order, the first drafter twice per round (its A/A rerun: the noise floor). One row per
     drafter: seconds (wall) and cpu_s (this process's CPU time), medians over repeats;
-    passes, tokens_per_pass, acceptance_rate; speed_up over the first drafter (median
-    paired ratio of CPU time) with its interval `speed_up_lo`/`speed_up_hi` (a range when
-    `speed_up_exact` is False: too few of its `speed_up_pairs`), and `verdict`
+    passes, tokens_per_pass, proposed, accepted, acceptance_rate; speed_up_cpu over the
+    first drafter (median paired ratio of CPU time) with its interval `speed_up_cpu_lo`/
+    `_hi` (a range when `speed_up_cpu_exact` is False: too few of its `speed_up_cpu_pairs`), and `verdict`
     against the A/A floor (`noise_floor`, `measure.noise`); speed_up_wall (same, wall clock); identical
     (same tokens as the first). `attrs["noise_floor_text"]` states the floor.
 
@@ -193,8 +193,9 @@ def compare_drafters(model, ids: Sequence[int], max_new: int, drafters: dict, *,
         rows.append({"drafter": name, "seconds": float(np.median(wall[name])), "cpu_s": float(np.median(cpu[name])),
                      "passes": r["passes"], "tokens_per_pass": r["tokens_per_pass"], "proposed": r["proposed"],
                      "accepted": r["accepted"], "acceptance_rate": r["acceptance_rate"],
-                     "speed_up": up.median, "speed_up_lo": up.lo, "speed_up_hi": up.hi,
-                     "speed_up_exact": up.exact, "speed_up_pairs": up.n, "fewest_pairs": cmp.fewest if cmp else 0,
+                     "speed_up_cpu": up.median, "speed_up_cpu_lo": up.lo, "speed_up_cpu_hi": up.hi,
+                     "speed_up_cpu_exact": up.exact, "speed_up_cpu_pairs": up.n,
+                     "fewest_pairs": cmp.fewest if cmp else 0,
                      "verdict": "reference" if name == ref else verdict,
                      "noise_floor": floor.floor if floor else float("nan"),
                      "speed_up_wall": noise.paired_interval(wall[name], wall[ref]).median,
@@ -207,7 +208,7 @@ def compare_drafters(model, ids: Sequence[int], max_new: int, drafters: dict, *,
 def versus_plain(model, ids: Sequence[int], max_new: int, propose: Drafter, *, repeats: int = 2) -> dict:
     """One drafter against plain greedy decoding, as `compare_drafters` measures it (CPU time,
     interleaved, plain decoding's A/A rerun as the floor): that drafter's row as a dict
-    (speed_up, its bracket and verdict, passes, tokens_per_pass, acceptance_rate, cpu_s),
+    (speed_up_cpu, its bracket and verdict, passes, tokens_per_pass, acceptance_rate, cpu_s),
     plus `plain_cpu_s`, the reference's CPU time.
 
     Args:
@@ -277,18 +278,18 @@ def plot_drafters(df, ceiling: float | None = None, axes=None):
     import matplotlib.pyplot as plt
     axes = axes if axes is not None else plt.subplots(1, 2, figsize=(12, 4))[1]
     tab = {c: df.pivot_table(index="drafter", columns="prompt", values=c, sort=False)
-           for c in ("tokens_per_pass", "speed_up")}
+           for c in ("tokens_per_pass", "speed_up_cpu")}
     tab["tokens_per_pass"].plot.bar(ax=axes[0], rot=20)
     axes[0].set(ylabel="tokens per target pass", xlabel="", title="Tokens per target pass")
     if ceiling:
         axes[0].axhline(ceiling, ls="--", c="grey", label=f"every guess accepted ({ceiling:g})")
     err = None
-    if {"speed_up_lo", "speed_up_hi"} <= set(df.columns):   # each bar's paired interval, as error bars
+    if {"speed_up_cpu_lo", "speed_up_cpu_hi"} <= set(df.columns):   # each bar's paired interval, as error bars
         lo, hi = (df.pivot_table(index="drafter", columns="prompt", values=c, sort=False)
-                  for c in ("speed_up_lo", "speed_up_hi"))
-        up = tab["speed_up"]
+                  for c in ("speed_up_cpu_lo", "speed_up_cpu_hi"))
+        up = tab["speed_up_cpu"]
         err = np.stack([[(up - lo)[c].to_numpy(), (hi - up)[c].to_numpy()] for c in up.columns]).clip(min=0)
-    tab["speed_up"].plot.bar(ax=axes[1], rot=20, yerr=err, capsize=3)
+    tab["speed_up_cpu"].plot.bar(ax=axes[1], rot=20, yerr=err, capsize=3)
     axes[1].axhline(1, ls="--", c="grey", label="no gain (1×)")
     axes[1].set(ylabel="speed-up vs plain decoding (×, CPU time)", xlabel="", title="Speed-up")
     for ax in axes:

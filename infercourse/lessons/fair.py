@@ -37,7 +37,7 @@ from infercourse.measure.workloads import DATA_DIR, Workload, agentic_workload
 from infercourse.ops.routes import ROUTES, open_route, route_status
 
 __all__ = ["FAIR_KEYS", "LABELLED", "ROUTES", "PEER_FIXTURE", "WARMUP", "agent_calls", "route_status", "plan",
-           "open_route", "measure_routes", "fair_table", "engine_table", "plot_routes", "explain",
+           "open_route", "measure_routes", "fair_table", "engine_table", "plot_routes",
            "server_vs_in_process", "thread_scaling", "peer_run", "peer_beside_ours"]
 
 # Manifest keys that must match for two runs' numbers to be compared (dotted, as
@@ -90,14 +90,22 @@ def plan(names: list[str], status: dict | None = None, skip: dict[str, str] | No
     return pd.DataFrame({"run": run, "why": why}, index=here.index)
 
 
+def _cold_warm(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(call 1, the later calls) among a run's completed requests, in the order they were sent."""
+    ok = df.sort_values("request_id")
+    ok = ok[ok["status"] == "ok"]
+    return ok.iloc[:1], ok.iloc[1:]
+
+
 def _row(name: str, run: Run, mem_bytes: float) -> dict[str, Any]:
     """One route's numbers. Call 1 (cold: nothing of it cached after the unrelated warm-up) is
     kept apart from the later calls (warm: each extends the last, so a prefix cache can serve
-    most of it): a p50 over both mixes the two (with 2 calls it is their mean)."""
+    most of it): a p50 over both mixes the two (with 2 calls it is their mean), so TTFT and E2E
+    are call 1's or the later calls'; decode does not depend on a cache, so its p50 is over all."""
     df = run.df.sort_values("request_id")
     ok = df[df["status"] == "ok"]
-    first, later = ok.iloc[:1], ok.iloc[1:]
-    s = summary.summarize(df, ("decode_tok_per_s", "e2e_s"))
+    first, later = _cold_warm(df)
+    s = summary.summarize(df, ("decode_tok_per_s",))
     p50 = lambda m: float(s.loc[m, "p50"]) if m in s.index and "p50" in s else float("nan")  # noqa: E731
     one = lambda part, m: float(part[m].iloc[0]) if len(part) and pd.notna(part[m].iloc[0]) \
         else float("nan")  # noqa: E731
@@ -113,7 +121,7 @@ def _row(name: str, run: Run, mem_bytes: float) -> dict[str, Any]:
             "ttft_first_s": one(first, "ttft_s"),
             "ttft_later_p50_s": float(later["ttft_s"].median()) if len(later) else float("nan"),
             "prefill_first_tok_per_s": one(first, "prefill_tok_per_s"), "decode_tok_per_s": p50("decode_tok_per_s"),
-            "e2e_p50_s": p50("e2e_s"), "memory_mb": mem_bytes / 1e6,
+            "e2e_first_s": one(first, "e2e_s"), "memory_mb": mem_bytes / 1e6,
             "cache_hit": hit(ok), "cache_hit_first": hit(first), "cache_hit_later": hit(later),
             "error_rate": summary.error_rate(df)}
 
@@ -158,7 +166,9 @@ def measure_routes(names: list[str], workload: Workload, *, threads: int, ctx_si
 def fair_table(runs: dict[str, Run], *, must_match=FAIR_KEYS, allow=LABELLED) -> pd.DataFrame:
     """`results.compare` of the runs, refused (UnfairComparisonError) if a `must_match`
     condition outside `allow` differs; each row labels how its conditions differ from
-    the first run's (the reference).
+    the first run's (the reference). TTFT is call 1's (`ttft_first_s`, cold) beside the
+    later calls' p50 (`ttft_later_p50_s`, warm), never a p50 over both: over a cold and a
+    warm call it is their mean, which describes neither (so no TTFT or E2E p50 columns).
 
     Args:
         runs: {label: Run}, the reference first.
@@ -166,13 +176,19 @@ def fair_table(runs: dict[str, Run], *, must_match=FAIR_KEYS, allow=LABELLED) ->
     """
     diff = differing_conditions(runs.values(), must_match=must_match, allow=allow)
     ref = next(iter(runs))
-    table = compare(runs.values())
+    table = compare(runs.values(), ("tpot_s", "decode_tok_per_s"))
     labels = []
     for lab in table.index:
         d = [f"{k.split('.')[-1]}={diff.loc[k, lab]}" for k in diff.index
              if any(k == a or k.startswith(a + ".") for a in allow) and diff.loc[k, lab] != diff.loc[k, ref]]
         labels.append("; ".join(d) if d else "reference" if lab == ref else "same conditions")
     table.insert(0, f"differs from {ref}", labels)
+    calls = {r.label: _cold_warm(r.df) for r in runs.values()}
+    nan = float("nan")
+    table.insert(1, "ttft_first_s", [float(calls[x][0]["ttft_s"].iloc[0]) if x in calls and len(calls[x][0]) else nan
+                                     for x in table.index])
+    table.insert(2, "ttft_later_p50_s", [float(calls[x][1]["ttft_s"].median()) if x in calls and len(calls[x][1])
+                                         else nan for x in table.index])
     return table
 
 
@@ -210,40 +226,6 @@ def plot_routes(rows: pd.DataFrame, ceilings: dict[str, float], axes):
     axes[1].set(xlabel="decode speed p50 (tok/s, log)", xscale="log", title="Decode speed vs bandwidth ceiling")
     axes[1].legend(loc="lower right", fontsize=8)
     return axes
-
-
-def explain(rows: pd.DataFrame, runs: dict[str, Run], predicted_ratio: float,
-            base: str = "llama.cpp in process", other: str = "transformers",
-            paired: dict[str, Any] | None = None) -> str:
-    """The Explain paragraph, computed from the measured rows and runs (no number typed in).
-    Whether the server costs TTFT is said only from `paired` (`server_vs_in_process`:
-    interleaved trials judged against an A/A floor), never from one run per route."""
-    ran = rows[rows["ran"]]
-    if ran.empty:
-        return "No route could run here: see the `why` column."
-    fast = ran["decode_tok_per_s"].idxmax()
-    out = [f"- Fastest decode: **{fast}** at {ran.loc[fast, 'decode_tok_per_s']:.0f} tok/s "
-           f"({ran.loc[fast, 'quantization']} weights)."]
-    if {base, other} <= set(ran.index):
-        r = ran.loc[base, "decode_tok_per_s"] / ran.loc[other, "decode_tok_per_s"]
-        from infercourse.measure.claims import band_verdict
-        note = band_verdict(r, paired["floor"].floor)[1] if paired is not None \
-            else "one run each, not judged"
-        out.append(f"- Decode rate, {base} ÷ {other}: {r:.2f}× ({note}); the bytes alone predicted "
-                   f"{predicted_ratio:.1f}×. That ratio mixes *quantization* with the engines: the table labels it.")
-    if paired is not None:
-        out.append(f"- Same runtime behind HTTP, TTFT of one agent call, interleaved: **{paired['comparison'].said}** "
-                   f"({paired['comparison'].text}); {paired['floor'].text()}.")
-    elif {base, "llama-server"} <= set(runs):
-        out.append("- llama-server against in process: one sequential run per route cannot separate a server's "
-                   "cost from this machine's noise, so no verdict here (the interleaved A/A/B comparison gives one).")
-    hits = ", ".join(f"{n} {v:.0%}" for n, v in ran["cache_hit"].items())
-    out.append(f"- Prompt tokens served from a prefix cache: {hits}.")
-    out.append(f"- Memory: {', '.join(f'{n} {v:.0f} MB' for n, v in ran['memory_mb'].items())} "
-               f"(in-process routes: growth of this Python process; servers: their own RSS).")
-    for n, why in rows.loc[~rows["ran"], "why"].items():
-        out.append(f"- **{n}** did not run: {str(why)[:160]}")
-    return "\n".join(out)
 
 
 def server_vs_in_process(request: Request, *, threads: int, ctx_size: int, repeats: int = 6) -> dict[str, Any]:
@@ -339,8 +321,12 @@ def peer_run(path: str | Path = PEER_FIXTURE) -> Run:
 
 def peer_beside_ours(ours: Run, peer: Run) -> pd.DataFrame:
     """Ours and a peer tool's run on the same axes (one definition of each metric, from
-    `core.metrics`), with every condition that differs listed, never silently merged."""
+    `core.metrics`), with every condition that differs listed, never silently merged. Ours
+    is its call 1 (cold, as the peer's independent prompts are): our calls extend each other,
+    and a p50 over a cold call and warm ones describes neither."""
     diff = differing_conditions([ours, peer])
-    table = compare([ours, peer], ("ttft_s", "ttft_from_send_s", "tpot_s", "e2e_s"))
+    first = ours.df.sort_values("request_id").iloc[:1]
+    cold = Run(ours.path, {**ours.manifest, "label": f"{ours.label}, call 1 (cold)"}, first, [])
+    table = compare([cold, peer], ("ttft_s", "ttft_from_send_s", "tpot_s", "e2e_s"))
     table.insert(0, "conditions that differ", len(diff))
     return table

@@ -1,11 +1,20 @@
 """What a fair benchmark's run showed, in words written from its own numbers (issue 26).
 
 Notebook 13's markdown explains mechanisms; which route had the lowest TTFT, whether a
-prefix cache or a prefill rate explains it, and whether a 4-bit route won decode and lost
+prefix cache or a prefill rate goes with it, and whether a 4-bit route won decode and lost
 prefill on this machine can only come from the run. Each function here reads the rows of
 `fair.measure_routes` (or the result of `fair.server_vs_in_process`) and returns markdown
-that flips when the numbers flip; where the numbers allow more than one reading (a gap
-inside the A/A noise band, too few pairs for a test), the sentence says so.
+that flips when the numbers flip; where the numbers allow more than one reading (too few
+pairs for a test), the sentence says so.
+
+**One run per route is a reading, not a ranking.** `measure_routes` runs each route once,
+so its gaps have no noise band of their own; the A/A floor of the interleaved server
+comparison belongs to that experiment and judges nothing else. So the route sentences name
+the lowest or highest *in this run*, give the gap, and say it is not judged (`UNJUDGED`).
+
+**Bandwidth-bound is measured, not assumed.** "Fewer bytes help decode" holds where decode
+runs near its bandwidth ceiling; `rates_sentence` reads each route's share of its ceiling
+and says "not bandwidth-bound here" below half of it (`measure.regime.NEAR_ROOF`).
 
 **Cold and warm calls are reported apart.** The agent calls extend each other, so call 1
 (after an unrelated warm-up) finds nothing of its prompt in any cache, and every later call
@@ -25,9 +34,13 @@ import re
 from typing import Any, Mapping
 
 import pandas as pd
-from infercourse.measure.claims import band_verdict
 
-__all__ = ["sign_test_p", "ttft_sentence", "rates_sentence", "order_sentence", "is_4bit", "is_float"]
+from infercourse.measure.regime import NEAR_ROOF, roof_share_words
+
+__all__ = ["UNJUDGED", "sign_test_p", "ttft_sentence", "ceiling_shares", "rates_sentence", "order_sentence",
+           "explain", "is_4bit", "is_float"]
+
+UNJUDGED = "one run per route, not judged"   # a single value per route has no noise band of its own
 
 MIN_SIGN_PAIRS = 6      # fewest pairs for which a two-sided sign test can reach p <= 0.05 (2 / 2^6)
 HIT_GAP = 0.05          # cache-hit shares closer than this are "the same" (a template's few tokens)
@@ -66,20 +79,19 @@ def _pct(x: float) -> str:
     return "not reported" if not math.isfinite(x) else f"{x:.0%}"
 
 
-def _lowest(ran: pd.DataFrame, col: str, floor: float | None) -> tuple[str, str | None, str, str]:
-    """(best route, runner-up or None, head text, band kind) for the lowest value of `col`."""
+def _lowest(ran: pd.DataFrame, col: str) -> tuple[str, str | None, str]:
+    """(lowest route, runner-up or None, head text) for the lowest value of `col` in this run."""
     s = ran[col].dropna().sort_values()
     best = s.index[0]
     if len(s) == 1:
-        return best, None, f"only **{best}**{_q(ran, best)} measured it: {s.iloc[0]:.3g} s", "unjudged"
+        return best, None, f"only **{best}**{_q(ran, best)} measured it: {s.iloc[0]:.3g} s"
     second, r = s.index[1], float(s.iloc[1] / s.iloc[0])
-    kind, note = band_verdict(r, floor)
-    head = (f"the lowest was **{best}**{_q(ran, best)} at {s.iloc[0]:.3g} s, then {second}{_q(ran, second)} at "
-            f"{s.iloc[1]:.3g} s ({r:.2f}×, {note})")
-    return best, second, head, kind
+    head = (f"the lowest in this run was **{best}**{_q(ran, best)} at {s.iloc[0]:.3g} s, then {second}"
+            f"{_q(ran, second)} at {s.iloc[1]:.3g} s ({r:.2f}×; {UNJUDGED})")
+    return best, second, head
 
 
-def _first_why(ran: pd.DataFrame, best: str, second: str | None, kind: str) -> str:
+def _first_why(ran: pd.DataFrame, best: str, second: str | None) -> str:
     rate = ran["prefill_first_tok_per_s"]
     if second is None or not math.isfinite(rate.get(best, math.nan)):
         return ""
@@ -88,57 +100,52 @@ def _first_why(ran: pd.DataFrame, best: str, second: str | None, kind: str) -> s
     cached = (f" A prefix cache played no part beyond the chat template's first tokens ({_pct(hit)} of "
               f"call 1 on {best} came from a cache).") if not (math.isfinite(hit) and hit > HIT_GAP) else \
         f" A cache served {_pct(hit)} of call 1 on {best} (the warm-up shared a prefix with it)."
-    if kind == "within":
-        return (f" They prefilled call 1 at {rate[best]:.0f} and {rate[second]:.0f} tok/s." + cached)
     if top == best:
-        return (f" Its prefill rate explains it: {rate[best]:.0f} tok/s on call 1, the highest of the routes "
-                f"({second}: {rate[second]:.0f} tok/s)." + cached)
+        return (f" If the gap is more than noise, its prefill rate explains it: {rate[best]:.0f} tok/s on call 1, the "
+                f"highest of the routes ({second}: {rate[second]:.0f} tok/s)." + cached)
     return (f" Its call-1 prefill rate ({rate[best]:.0f} tok/s) is not the highest ({top}: {rate[top]:.0f} tok/s): "
             f"the rate counts each route's own prompt tokens, so the routes' templates and tokenizers gave "
             f"prompts of different lengths, or time outside prefill (HTTP, tokenizing) differs." + cached)
 
 
-def _later_why(ran: pd.DataFrame, best: str, second: str | None, kind: str) -> str:
+def _later_why(ran: pd.DataFrame, best: str, second: str | None) -> str:
     if second is None:
         return ""
     hit, rate = ran["cache_hit_later"], ran["prefill_first_tok_per_s"]
     hb, hs, rb, rs = hit[best], hit[second], rate[best], rate[second]
     facts = (f"cache hits on those calls {_pct(hb)} against {_pct(hs)} for {second}; call-1 prefill rate "
              f"{rb:.0f} against {rs:.0f} tok/s")
-    if kind == "within":
-        return f" For the two: {facts}."
     more_hits = math.isfinite(hb) and math.isfinite(hs) and hb - hs > HIT_GAP
     hits_known = math.isfinite(hb) and math.isfinite(hs)
     higher_rate = rb > rs
     if more_hits and not higher_rate:
-        return f" Its prefix cache explains it, not its prefill rate: {facts}."
+        return f" If the gap is more than noise, its prefix cache explains it, not its prefill rate: {facts}."
     if higher_rate and hits_known and not more_hits:
-        return f" Its prefill rate explains it, not a prefix cache: {facts}."
+        return f" If the gap is more than noise, its prefill rate explains it, not a prefix cache: {facts}."
     if more_hits and higher_rate:
-        return f" Both play a part, more cache hits and a higher prefill rate: {facts}."
+        return f" If the gap is more than noise, both play a part, more cache hits and a higher prefill rate: {facts}."
     if not hits_known and higher_rate:
         return (f" A higher prefill rate may explain it; whether a cache did too, this run cannot say "
                 f"(a route reports no cached-token count): {facts}.")
-    return (f" Neither more cache hits nor a higher prefill rate explains it ({facts}): the gap lies outside "
+    return (f" Neither more cache hits nor a higher prefill rate goes with it ({facts}): the gap lies outside "
             f"prefill (HTTP, scheduling, prompt lengths) or in noise.")
 
 
-def ttft_sentence(rows: pd.DataFrame, floor: float | None = None) -> str:
-    """Which route had the lowest TTFT on call 1 (cold: nothing cached) and on the later calls
-    (warm: each extends the last), and whether a prefill rate or cache hits explain it.
+def ttft_sentence(rows: pd.DataFrame) -> str:
+    """Which route had the lowest TTFT in this run on call 1 (cold: nothing cached) and on the
+    later calls (warm: each extends the last), and whether a prefill rate or cache hits go
+    with it. One run per route: the gaps are given, never judged (`UNJUDGED`).
 
     Args:
         rows: `fair.measure_routes` rows (`ttft_first_s`, `ttft_later_p50_s`,
             `prefill_first_tok_per_s`, `cache_hit_first`, `cache_hit_later`, `calls`).
-        floor: the A/A noise floor (`paired["floor"].floor`): gaps inside ±floor are called
-            noise; None: no band, the gaps are given but not judged.
     """
     ran = _ran(rows)
     if ran.empty or ran["ttft_first_s"].dropna().empty:
         return "- TTFT: no route measured one here (see the `why` column)."
-    best, second, head, kind = _lowest(ran, "ttft_first_s", floor)
+    best, second, head = _lowest(ran, "ttft_first_s")
     out = [f"- **Call 1** (cold: the same whole prompt on every route, after an unrelated warm-up): {head}."
-           + _first_why(ran, best, second, kind)]
+           + _first_why(ran, best, second)]
     later = ran["ttft_later_p50_s"].dropna() if "ttft_later_p50_s" in ran else pd.Series(dtype=float)
     if later.empty:
         out.append("- **Later calls**: none here (one call per route), so no route had an earlier prompt to reuse: "
@@ -146,13 +153,13 @@ def ttft_sentence(rows: pd.DataFrame, floor: float | None = None) -> str:
     else:
         n = int(ran["calls"].max()) if "calls" in ran else 2
         which = "call 2, one per route" if n <= 2 else f"calls 2 to {n}, their TTFT p50 per route"
-        best, second, head, kind = _lowest(ran.loc[later.index], "ttft_later_p50_s", floor)
+        best, second, head = _lowest(ran.loc[later.index], "ttft_later_p50_s")
         out.append(f"- **Later calls** (warm: {which}, each extending the last): {head}."
-                   + _later_why(ran, best, second, kind) + _no_cache(ran.loc[later.index], best, second, floor))
+                   + _later_why(ran, best, second) + _no_cache(ran.loc[later.index], best, second))
     return "\n".join(out)
 
 
-def _no_cache(ran: pd.DataFrame, best: str, second: str | None, floor: float | None) -> str:
+def _no_cache(ran: pd.DataFrame, best: str, second: str | None) -> str:
     """The later calls of a route that reused no prefix (other than the two already named),
     against the lowest: what a cache was worth here."""
     hit = ran["cache_hit_later"]
@@ -161,19 +168,48 @@ def _no_cache(ran: pd.DataFrame, best: str, second: str | None, floor: float | N
         return ""
     n = none[0]
     t, t0 = ran.loc[n, "ttft_later_p50_s"], ran.loc[best, "ttft_later_p50_s"]
-    note = band_verdict(t / t0, floor)[1]
     return (f" {n}, which reused no prefix ({_pct(hit[n])} cached), took {t:.3g} s on them, {t / t0:.2f}× the "
-            f"lowest ({note}): it prefilled each whole, longer prompt again.")
+            f"lowest ({UNJUDGED}): it prefilled each whole, longer prompt again.")
 
 
-def rates_sentence(rows: pd.DataFrame, floor: float | None = None) -> str:
+def ceiling_shares(rows: pd.DataFrame, ceilings: Mapping[str, float] | None) -> pd.Series:
+    """Each route's decode rate as a share of the bandwidth ceiling of its weight format
+    (NaN where no ceiling is given for that format).
+
+    Args:
+        rows: `fair.measure_routes` rows (`decode_tok_per_s`, `quantization`).
+        ceilings: {quantization: decode ceiling tok/s}, bandwidth ÷ that format's weight bytes.
+    """
+    c = {str(k): float(v) for k, v in (ceilings or {}).items()}
+    q = rows["quantization"] if "quantization" in rows else pd.Series(None, index=rows.index)
+    return pd.Series([rows.loc[n, "decode_tok_per_s"] / c[str(q[n])] if str(q[n]) in c else math.nan
+                      for n in rows.index], index=rows.index, dtype=float)
+
+
+def _bandwidth_clause(shares: pd.Series, names: tuple[str, ...]) -> str:
+    """Were these routes' decodes bandwidth-bound here? From their measured shares of the ceiling."""
+    known = [(n, float(shares[n])) for n in names if math.isfinite(shares.get(n, math.nan))]
+    if not known:
+        return (" No bandwidth ceiling was given for their formats, so whether decode was bandwidth-bound here is "
+                "not measured.")
+    each = ", ".join(f"{n} {v:.0%} ({roof_share_words(v)})" for n, v in known)
+    if all(NEAR_ROOF <= v <= 1 for _, v in known):
+        return (f" Decode as a share of its bandwidth ceiling: {each}: near the ceiling, where fewer bytes per token "
+                "do help decode.")
+    return (f" Decode as a share of its bandwidth ceiling: {each}. Below half of it the bytes are not what binds "
+            "decode, so the bytes a format saves do not explain a decode gap here; what each runtime does per "
+            "token does.")
+
+
+def rates_sentence(rows: pd.DataFrame, ceilings: Mapping[str, float] | None = None) -> str:
     """This run's prefill and decode rates across routes, and what they say of 4-bit against
-    float weights here: the best 4-bit route against the best float route in each phase.
+    float weights here: the best 4-bit route against the best float route in each phase, and
+    whether their decode was bandwidth-bound (its measured share of the ceiling). One run per
+    route: a reading, never judged.
 
     Args:
         rows: `fair.measure_routes` rows (`prefill_first_tok_per_s`, `decode_tok_per_s`, `quantization`).
-        floor: the A/A noise floor used as the band (the run's one noise measurement, made on
-            call 1's TTFT; decode's own noise was not measured); None: not judged.
+        ceilings: {quantization: decode ceiling tok/s} (bandwidth ÷ that format's weight bytes).
     """
     ran = _ran(rows)
     ran = ran[ran["prefill_first_tok_per_s"].notna() & ran["decode_tok_per_s"].notna()]
@@ -182,45 +218,80 @@ def rates_sentence(rows: pd.DataFrame, floor: float | None = None) -> str:
 
     def order(col: str) -> str:
         s = ran[col].sort_values(ascending=False)
-        return ", ".join(f"{n}{_q(ran, n)} {v:.0f}" for n, v in s.items())
-    out = [f"- Prefill rate of call 1, tok/s, highest first: {order('prefill_first_tok_per_s')}.",
-           f"- Decode rate, tok/s, highest first: {order('decode_tok_per_s')}."]
+        return ", ".join(f"{n}{_q(ran, n)} {v:.3g}" for n, v in s.items())
+    out = [f"- Prefill rate of call 1, tok/s, highest first in this run: {order('prefill_first_tok_per_s')}.",
+           f"- Decode rate, tok/s, highest first in this run: {order('decode_tok_per_s')} ({UNJUDGED})."]
+    shares = ceiling_shares(ran, ceilings)
     four = ran[ran["quantization"].map(is_4bit)] if "quantization" in ran else ran.iloc[:0]
     flt = ran[ran["quantization"].map(is_float)] if "quantization" in ran else ran.iloc[:0]
     if four.empty or flt.empty:
         out.append("- No 4-bit route and float route both ran here, so this run cannot set the two bounds "
-                   "side by side.")
+                   "side by side." + _bandwidth_clause(shares, tuple(ran.index)))
         return "\n".join(out)
-    verdicts, words = {}, []
+    lead, words = {}, []
     for col, phase in (("prefill_first_tok_per_s", "prefill"), ("decode_tok_per_s", "decode")):
         f4, ff = four[col].idxmax(), flt[col].idxmax()
         r = float(four.loc[f4, col] / flt.loc[ff, col])
-        kind, note = band_verdict(r, floor)
-        lead = "ahead" if r > 1 else "behind"
-        verdicts[phase] = "within" if kind == "within" else lead
-        words.append(f"{phase}: {f4} {r:.2f}× {ff} ({note})")
-    out.append("- Best 4-bit route against best float route, " + "; ".join(words)
-               + ". (The band is the A/A floor of call 1's TTFT, this run's one noise measurement.)")
-    p, d = verdicts["prefill"], verdicts["decode"]
-    unjudged = " (no noise band: a reading of one run per route, not a verdict)" if floor is None else ""
-    if "within" in (p, d):
-        both = [ph for ph, v in verdicts.items() if v == "within"]
-        rest = [f"4-bit {v} in {ph}" for ph, v in verdicts.items() if v != "within"]
-        out.append(f"- In {' and '.join(both)} the two are within noise, so this run cannot rank the formats there"
-                   + (f"; {rest[0]}" if rest else "") + ".")
-    elif (d, p) == ("ahead", "behind"):
-        out.append("- Here 4-bit led decode and lost prefill: the CPU pattern of the mechanism (fewer bytes per "
-                   "token help bandwidth-bound decode; unpacking 4-bit blocks is arithmetic, which prefill pays "
-                   f"in full){unjudged}.")
+        lead[phase] = "ahead" if r > 1 else "behind"
+        words.append(f"{phase}: {f4} {r:.2f}× {ff}")
+    out.append("- Best 4-bit route against best float route, " + "; ".join(words) + f" ({UNJUDGED}).")
+    pair = (four["decode_tok_per_s"].idxmax(), flt["decode_tok_per_s"].idxmax())
+    bw = _bandwidth_clause(shares, pair)
+    p, d = lead["prefill"], lead["decode"]
+    if (d, p) == ("ahead", "behind"):
+        out.append("- In this run 4-bit led decode and trailed prefill: prefill pays in full for unpacking 4-bit "
+                   "blocks, which is arithmetic." + bw)
     elif (d, p) == ("ahead", "ahead"):
-        out.append("- Here 4-bit led both phases: its kernels unpacked fast enough that prefill did not lose"
-                   f"{unjudged}.")
+        out.append("- In this run 4-bit led both phases: its kernels unpacked fast enough that prefill did not lose."
+                   + bw)
     elif (d, p) == ("behind", "behind"):
-        out.append("- Here the float route led both phases: on this machine the 4-bit kernels' arithmetic cost more "
-                   f"than the bytes they saved, even in decode{unjudged}.")
+        out.append("- In this run the float route led both phases: the 4-bit kernels' arithmetic cost more than the "
+                   "bytes they saved, even in decode." + bw)
     else:
-        out.append("- Here 4-bit lost decode and led prefill, the opposite of what bytes and arithmetic predict: "
-                   f"check threads and kernels before reading it as a property of the format{unjudged}.")
+        out.append("- In this run 4-bit trailed decode and led prefill, the opposite of what bytes and arithmetic "
+                   "predict: check threads and kernels before reading it as a property of the format." + bw)
+    return "\n".join(out)
+
+
+def explain(rows: pd.DataFrame, runs: Mapping[str, Any], predicted_ratio: float,
+            base: str = "llama.cpp in process", other: str = "transformers",
+            paired: Mapping[str, Any] | None = None) -> str:
+    """The Explain paragraph, computed from the measured rows and runs (no number typed in).
+    One run per route: the highest decode rate is named as this run's, not as a ranking, and
+    the decode ratio is not judged (the A/A floor of the interleaved comparison judges only
+    that comparison). Whether the server costs TTFT is said only from `paired`
+    (`fair.server_vs_in_process`: interleaved trials judged against their A/A floor).
+
+    Args:
+        rows, runs: `fair.measure_routes`' rows and {route: Run}.
+        predicted_ratio: the bytes ratio (float32 ÷ 4-bit weight bytes) the notebook predicted.
+        base, other: the two routes whose decode rates are set side by side.
+        paired: `fair.server_vs_in_process`'s result, or None.
+    """
+    ran = _ran(rows)
+    if ran.empty:
+        return "No route could run here: see the `why` column."
+    d = ran["decode_tok_per_s"].dropna().sort_values(ascending=False)
+    head = f"- Highest decode rate in this run: **{d.index[0]}** at {d.iloc[0]:.3g} tok/s{_q(ran, d.index[0])}"
+    if len(d) > 1:
+        head += f", then {d.index[1]} at {d.iloc[1]:.3g} ({d.iloc[0] / d.iloc[1]:.2f}×)"
+    out = [head + " (one run each, not a ranking)."]
+    if {base, other} <= set(ran.index):
+        r = ran.loc[base, "decode_tok_per_s"] / ran.loc[other, "decode_tok_per_s"]
+        out.append(f"- Decode rate, {base} ÷ {other}: {r:.2f}× (one run each, not judged); the bytes alone predicted "
+                   f"{predicted_ratio:.1f}×. That ratio mixes *quantization* with the engines: the table labels it.")
+    if paired is not None:
+        out.append(f"- Same runtime behind HTTP, TTFT of one agent call, interleaved: **{paired['comparison'].said}** "
+                   f"({paired['comparison'].text}); {paired['floor'].text()}.")
+    elif {base, "llama-server"} <= set(runs):
+        out.append("- llama-server against in process: one sequential run per route cannot separate a server's "
+                   "cost from this machine's noise, so no verdict here (the interleaved A/A/B comparison gives one).")
+    hits = ", ".join(f"{n} {v:.0%}" for n, v in ran["cache_hit"].items())
+    out.append(f"- Prompt tokens served from a prefix cache: {hits}.")
+    out.append(f"- Memory: {', '.join(f'{n} {v:.0f} MB' for n, v in ran['memory_mb'].items())} "
+               f"(in-process routes: growth of this Python process; servers: their own RSS).")
+    for n, why in rows.loc[~rows["ran"].astype(bool), "why"].items():
+        out.append(f"- **{n}** did not run: {str(why)[:160]}")
     return "\n".join(out)
 
 

@@ -10,8 +10,11 @@
   serving fewer requests. SLOs are scaled from the unloaded run (`scaled_slo`): a fixed
   "TTFT <= 1 s" reads 0% everywhere on a slow laptop and 100% on a GPU, and teaches
   nothing on either.
-- **What limits the top of the curve** (`ceiling_note`) is said from the numbers: a wall
-  is named only when the run got at least halfway to it.
+- **What limits the top of the curve** (`limit_sentence`, `regime`) is said from the
+  numbers: a roof is named only when the run got at least halfway to it (a rate above a
+  roof says that roof is wrong); below both, how the step time grew with the batch says
+  whether a per-step overhead the batch shares or each sequence's own arithmetic (the
+  kernel) set the pace (`measure.regime`).
 """
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ import numpy as np
 import pandas as pd
 
 from infercourse.core import summary
+from infercourse.measure import claims
+from infercourse.measure import regime as _regime
 
-__all__ = ["knee", "scaled_slo", "goodput_by_level", "ceiling_note", "plot_throughput_latency"]
+__all__ = ["knee", "scaled_slo", "goodput_by_level", "regime", "limit_sentence", "plot_throughput_latency"]
 
 
 def knee(table: pd.DataFrame, *, min_gain: float = 0.15) -> int:
@@ -70,21 +75,45 @@ def goodput_by_level(runs: Sequence, slos: dict[str, float]) -> pd.DataFrame:
     return out
 
 
-def ceiling_note(table: pd.DataFrame, ceil: pd.DataFrame) -> str:
-    """Say what limited the top level, from the numbers: the measured throughput as a share
-    of its batch's memory and compute ceilings. Blames a wall only when the run reached at
-    least half of it; otherwise says that neither roof explains the flattening."""
-    n = int(table.index[-1])
-    got = float(table["output_tok_per_s"].iloc[-1])
-    row = ceil.loc[n] if n in ceil.index else ceil.iloc[-1]
-    mem, comp = got / row["memory_bound_tok_per_s"], got / row["compute_bound_tok_per_s"]
-    share = f"{got:.3g} tok/s at {n} users is {mem:.1%} of the memory ceiling and {comp:.1%} of the compute ceiling"
-    if max(mem, comp) >= 0.5:
-        wall = "compute" if comp >= mem else "memory bandwidth"
-        return f"{share}: the run is near the {wall} wall, which is what flattens the curve."
-    return (f"{share}: neither roof explains the flattening. The ceilings assume the f32 GEMM rate and "
-            "the full bandwidth; what binds here is the few threads llama-server runs its quantized kernels "
-            "on (shared with other programs), plus per-step overheads that batching does not divide.")
+def _decode_floor(table: pd.DataFrame) -> float | None:
+    """The decode rate's own A/A band (None: one run per level)."""
+    return table.attrs.get("decode_noise_floor", table.attrs.get("noise_floor"))
+
+
+def regime(table: pd.DataFrame, ceil: pd.DataFrame) -> _regime.Regime:
+    """What bound the sweep's aggregate decode rate (`measure.regime.decode_regime`): its
+    share of each roof at the top level, and how the step time (N ÷ decode rate) grew with N,
+    judged against the decode rate's A/A band.
+
+    Args:
+        table: `np_sweep`'s table; ceil: `roofline.batch_ceiling` over (at least) its levels.
+    """
+    d = table["decode_tok_per_s"]
+    c = ceil.reindex(d.index)
+    return _regime.decode_regime(list(d.index), list(d), list(c["memory_bound_tok_per_s"]),
+                                 list(c["compute_bound_tok_per_s"]), floor=_decode_floor(table),
+                                 compute_source=ceil.attrs.get("compute_source", ""))
+
+
+def limit_sentence(table: pd.DataFrame, ceil: pd.DataFrame) -> str:
+    """What limits the top of the curve, from the run: the aggregate decode rate (N ÷ TPOT)
+    against batch size, judged against its own A/A band; the prefill share of each request
+    (the part of end-to-end throughput that is not decode); and the regime (`regime`): the
+    share of each roof, the step's fixed and per-sequence parts, and which bound it.
+
+    Args:
+        table: `np_sweep`'s table; ceil: `roofline.batch_ceiling` over its levels.
+    """
+    d = table["decode_tok_per_s"]
+    trend = claims.trend_sentence(list(d.index), list(d), _decode_floor(table), what="aggregate decode rate (N ÷ TPOT p50)",
+                                  x_name="batch")
+    if "decode_verdict" in table:
+        trend += f" Paired test at {d.index[-1]} users: {table['decode_verdict'].iloc[-1]}."
+    share = table["prefill_share"]
+    pre = (f"Before its first token each request spent {share.min():.0%}–{share.max():.0%} of its time (median "
+           f"TTFT ÷ E2E), so end-to-end throughput ({table['output_tok_per_s'].iloc[0]:.3g} → "
+           f"{table['output_tok_per_s'].iloc[-1]:.3g} tok/s) understates decode by that much.")
+    return " ".join([trend, pre, regime(table, ceil).text])
 
 
 def plot_throughput_latency(table: pd.DataFrame, *, latency: str = "ttft_s_p95", slo_s: float | None = None,

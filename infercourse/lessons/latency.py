@@ -1,34 +1,28 @@
-"""What "fast" means, in numbers: one request's anatomy, then distributions, definitions,
-coordinated omission, and the server's own clock.
+"""What "fast" means, in numbers: one request's anatomy, load that outruns the server
+(coordinated omission), and the server's own clock.
 
 One request has a timeline: it is *scheduled*, *sent*, waits through prefill until the
 first token (TTFT), then receives tokens one gap after another (ITL; their mean after
-the first is TPOT) until the end (E2E). Many requests make distributions of each, and a
-distribution is summarized by percentiles, not an average: a mean hides the tail a user
-at p99 lives in. Percentiles from few samples are uncertain; `core.summary` gives them
-distribution-free intervals, or says the sample is too small.
-
-Peer tools name different quantities alike (`peer_table`): GuideLLM's TPOT includes the
-first token, vLLM pools every chunk gap into one ITL series, and a chunk is not a token
-(`rechunk` shows the same run as a server that flushes k tokens per chunk would stream it).
+the first is TPOT) until the end (E2E). Many requests make distributions of each: their
+percentiles, tails and each tool's definitions are in `lessons.latency_dist`.
 
 Coordinated omission (`overload`): a load generator that waits for a free connection
 before sending measures latency from the *actual* send, and so never sees the queue its
 own waiting built. Measured from the *scheduled* send, the queue appears. `predicted_wait`
-is the queueing arithmetic to predict it; `server_vs_client` sets llama-server's own
-`timings` beside the client's clock.
+is the queueing arithmetic to predict it; `clock_verdicts` judges each clock against the
+unloaded run and `clock_sentence` says which one saw the overload; `server_vs_client` sets
+llama-server's own `timings` beside the client's clock.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pandas as pd
 
-from infercourse.core import metrics, reconcile, summary
+from infercourse.core import metrics, reconcile
 from infercourse.core.trace import RequestTrace, record
 from infercourse.core.types import Request
 from infercourse.engines.openai_http import OpenAIHTTPEngine
@@ -38,9 +32,9 @@ from infercourse.measure.workloads import exact_length_prompt
 from infercourse.ops.profiles import Profile, require
 from infercourse.servers import LlamaServer
 
-__all__ = ["serve", "requests_for", "one_request", "anatomy", "sequential", "distribution_table", "pooled_tail_by_blocks", "pooled_tail_note",
-           "peer_table", "rechunk", "chunking_table", "predicted_wait", "overload", "measured_wait", "wait_table", "server_vs_client",
-           "clock_verdicts", "service_drift", "overload_wait", "e2e_p50_s"]
+__all__ = ["serve", "requests_for", "one_request", "anatomy", "sequential", "predicted_wait", "overload", "measured_wait",
+           "wait_table", "server_vs_client", "clock_blocks", "clock_verdicts", "clock_sentence", "service_drift",
+           "overload_measured", "overload_wait", "e2e_p50_s"]
 
 
 @contextlib.contextmanager
@@ -91,141 +85,6 @@ def sequential(engine, reqs: list[Request], n: int, results_root: str | Path | N
     No warm-up of its own: run `one_request` first (it warms the server)."""
     return bench.run(engine, reqs, pattern="sequential", max_requests=n, warmup=0, progress=False,
                      label=label, out_dir=new_run_dir(results_root, label))
-
-
-def distribution_table(df: pd.DataFrame, itl: pd.DataFrame, ci: float = 0.95) -> pd.DataFrame:
-    """Mean beside p50/p95/p99 (ms), each percentile with its interval or "n too small".
-
-    Args:
-        df: a per-request frame; itl: its `itl_frame` (pooled gaps).
-        ci: confidence level of the intervals.
-    """
-    s = summary.summarize(df, ["ttft_s", "tpot_s", "e2e_s"], ci=ci, itl=itl)
-
-    def cell(m: str, p: int) -> str:
-        v, lo, hi = (s.loc[m, f"p{p}{x}"] * 1e3 for x in ("", "_lo", "_hi"))
-        if np.isnan(lo):
-            return f"{_ms(v)} (n too small: need {summary.min_n(p / 100, ci)})"
-        return f"{_ms(v)} [{_ms(lo)}, {_ms(hi)}]"
-    return pd.DataFrame({"n": s["count"].astype(int), "mean (ms)": (s["mean"] * 1e3).round(1),
-                         **{f"p{p} (ms)": [cell(m, p) for m in s.index] for p in (50, 95, 99)}}, index=s.index)
-
-
-def _ms(v: float) -> str:
-    """Milliseconds in one fixed-point style (no 1.094e+04 beside 412.3): 2 decimals under
-    10 ms, 1 under 1,000, none above, with thousands separators."""
-    return "nan" if np.isnan(v) else f"{v:,.2f}" if abs(v) < 10 else f"{v:,.1f}" if abs(v) < 1000 else f"{v:,.0f}"
-
-
-def pooled_tail_by_blocks(itl: pd.DataFrame, q: float = 99, *, ci: float = 0.95, n_boot: int = 2000,
-                          seed: int = 0) -> dict[str, float]:
-    """The pooled ITL q-th percentile with an interval that keeps each request's gaps together.
-
-    The order-statistic interval of `summary.summarize` assumes the gaps are independent.
-    They are not: a stall (the OS preempting the server, a neighbour's burst) slows several
-    consecutive gaps of one request, so the slow gaps come in bursts and the effective
-    sample is nearer the number of requests than the number of gaps. Resampling whole
-    requests (a block bootstrap, one block per request) keeps the bursts intact; when its
-    interval is much wider than the independent one, believe the wider.
-
-    Args:
-        itl: an `itl_frame` (ok requests are used).
-        q: the percentile; ci: confidence level; n_boot, seed: resamples and their seed.
-    """
-    ok = itl[itl["status"] == "ok"]
-    blocks = [g["itl_s"].to_numpy(float) for _, g in ok.groupby("request_id")]
-    if len(blocks) < 2:
-        return {"p": float("nan"), "lo": float("nan"), "hi": float("nan"), "blocks": len(blocks)}
-    rng = np.random.default_rng(seed)
-    boots = [np.percentile(np.concatenate([blocks[i] for i in rng.integers(0, len(blocks), len(blocks))]), q)
-             for _ in range(n_boot)]
-    a = (1 - ci) / 2
-    return {"p": float(np.percentile(np.concatenate(blocks), q)), "lo": float(np.quantile(boots, a)),
-            "hi": float(np.quantile(boots, 1 - a)), "blocks": len(blocks)}
-
-
-def pooled_tail_note(itl: pd.DataFrame, ci: float = 0.95) -> str:
-    """One honest sentence on the pooled ITL p99's interval: the order-statistic one assumes
-    independent gaps; beside it, the block interval (`pooled_tail_by_blocks`) that keeps
-    each request's bursts together. Below `summary.min_n` gaps neither is offered."""
-    ok = itl[itl["status"] == "ok"]
-    need, n = summary.min_n(0.99, ci), len(ok)
-    if n < need:
-        return (f"{n} pooled gaps: too few for a p99 interval (need {need}) even if they were independent, and they "
-                "are not: a stall slows several gaps of one request, so the effective sample is nearer the number of "
-                f"requests ({ok['request_id'].nunique()}).")
-    row = summary.summarize(ok.assign(status="ok"), [], itl=ok, ci=ci).loc["itl_s"]
-    b = pooled_tail_by_blocks(ok, 99, ci=ci)
-    wider = (b["hi"] - b["lo"]) > (row["p99_hi"] - row["p99_lo"])
-    return (f"p99 {_ms(row['p99'] * 1e3)} ms: [{_ms(row['p99_lo'] * 1e3)}, {_ms(row['p99_hi'] * 1e3)}] if the {n} gaps were "
-            f"independent; [{_ms(b['lo'] * 1e3)}, {_ms(b['hi'] * 1e3)}] resampling whole requests ({b['blocks']} blocks), "
-            + ("wider: the stalls came in bursts, so trust the block interval." if wider else
-               "no wider: this run's stalls did not cluster within requests."))
-
-
-def _p(x, q) -> float:
-    x = pd.Series(x, dtype=float).dropna()
-    return float(np.percentile(x, q)) * 1e3 if len(x) else float("nan")
-
-
-def peer_table(df: pd.DataFrame, itl: pd.DataFrame, q: float = 50) -> pd.DataFrame:
-    """One run, each tool's definitions side by side (ms, percentile `q` of each series).
-
-    - infercourse: TTFT from the *scheduled* send; TPOT = (E2E - TTFT)/(n - 1); ITL pooled chunk gaps.
-    - vLLM `bench serve`: TTFT from the actual send; TPOT excludes the first token; ITL pooled gaps.
-    - GuideLLM: TTFT from request start (= send); TPOT = (last token - start) / n, first
-      token *included*; ITL = (last - first) / (n - 1), one mean per request.
-    - AIPerf / GenAI-Perf: TTFT from send; "ITL" = (E2E - TTFT)/(n - 1) (our TPOT); per-chunk
-      gaps are their "inter chunk latency".
-
-    Args:
-        df: a per-request frame (ok requests are used); itl: its `itl_frame`.
-        q: the percentile shown.
-    """
-    ok = df[df["status"] == "ok"]
-    gaps = itl[itl["status"] == "ok"]["itl_s"]
-    n = ok["output_tokens"].astype(float)
-    excl_first = (ok["e2e_from_send_s"] - ok["ttft_from_send_s"]) / (n - 1)   # per request
-    incl_first = ok["e2e_from_send_s"] / n            # the stream ends with its last token
-    tools = {
-        "infercourse": (ok["ttft_s"], ok["tpot_s"], gaps, ok["e2e_s"]),
-        "vLLM bench serve": (ok["ttft_from_send_s"], excl_first, gaps, ok["e2e_from_send_s"]),
-        "GuideLLM": (ok["ttft_from_send_s"], incl_first, excl_first, ok["e2e_from_send_s"]),
-        "AIPerf": (ok["ttft_from_send_s"], excl_first, excl_first, ok["e2e_from_send_s"]),
-    }
-    names = ["TTFT", "TPOT", "ITL", "E2E"]
-    return pd.DataFrame({tool: [_p(x, q) for x in series] for tool, series in tools.items()},
-                        index=[f"{m} p{q:g} (ms)" for m in names]).round(1)
-
-
-def rechunk(traces: list[RequestTrace], k: int) -> list[RequestTrace]:
-    """The same tokens at the same times, delivered as a server flushing every `k` tokens
-    would: each chunk arrives with its last token. Nothing is re-measured; only the
-    grouping changes, which is what a chunk-based metric sees."""
-    out = []
-    for tr in traces:
-        idx = metrics.token_chunks(tr)
-        t = [tr.chunk_t[i] for i in idx for _ in range(max(1, tr.chunk_tokens[i]))]
-        groups = [t[i:i + k] for i in range(0, len(t), k)]
-        out.append(replace(tr, chunk_t=[g[-1] for g in groups], chunk_tokens=[len(g) for g in groups]))
-    return out
-
-
-def chunking_table(traces: list[RequestTrace], k: int) -> pd.DataFrame:
-    """The run as streamed beside the same run re-grouped `k` tokens per chunk (`rechunk`):
-    per-chunk ITL grows about k-fold; TTFT grows by k - 1 token gaps (the first chunk waits
-    for its k-th token), so TPOT, which spreads the time after the first chunk over n - 1
-    tokens, falls; E2E and decode speed (tokens after the first chunk / their time) hold."""
-    cols = {}
-    for name, trs in (("as streamed", traces), (f"{k} tokens per chunk", rechunk(traces, k))):
-        df, itl = metrics.per_request_frame(trs), metrics.itl_frame(trs)
-        ok = df[df["status"] == "ok"]
-        cols[name] = {"tokens per chunk": ok["tokens_per_chunk"].median(), "TTFT p50 (ms)": _p(ok["ttft_s"], 50),
-                      "ITL p50, per chunk (ms)": _p(itl["itl_s"], 50),
-                      "ITL p50 / tokens in chunk (ms)": _p(itl["itl_s"] / itl["tokens"].clip(lower=1), 50),
-                      "TPOT p50 (ms)": _p(ok["tpot_s"], 50), "E2E p50 (ms)": _p(ok["e2e_s"], 50),
-                      "decode p50 (tok/s)": ok["decode_tok_per_s"].median()}
-    return pd.DataFrame(cols).round(2)
 
 
 def predicted_wait(n: int, overload: float) -> float:
@@ -301,36 +160,86 @@ def wait_table(waits: dict[str, dict[str, float]]) -> pd.DataFrame:
     return t.round(1)
 
 
+def clock_blocks(n_unloaded: int, n_loaded: int) -> int:
+    """Blocks `clock_verdicts` can judge: each holds two unloaded requests (an even and the
+    next odd one, the A/A) and one request of the overload run's second half.
+
+    Args:
+        n_unloaded, n_loaded: ok requests of the unloaded and of the overload run.
+    """
+    return min(n_unloaded // 2, n_loaded - n_loaded // 2)
+
+
 def clock_verdicts(unloaded: pd.DataFrame, loaded: pd.DataFrame, metric: str = "ttft") -> pd.DataFrame:
-    """Does an overload run look slower than the unloaded one, on each clock? The A/A noise
-    floor comes from the unloaded run itself: its even and odd requests are the same
-    configuration, interleaved. Each clock's loaded values are then paired with unloaded
-    ones by position (independent draws: under "no difference" each ratio is as likely
-    above 1 as below, which is all the median's interval needs) and judged with
-    `noise.compare`. Only the loaded run's second half is judged: its first requests found
-    the queue still short, which is the point of the lesson, not noise. A send clock that says "within noise" under overload is coordinated
-    omission caught in the act.
+    """Does an overload run look slower than the unloaded one, on each clock?
+
+    The noise comes from the unloaded run itself: its even and odd requests are the same
+    configuration, so block i holds unloaded requests 2i and 2i + 1 and the i-th judged
+    request of the overload run. If load changed nothing on a clock, which of a block's
+    three requests carries the label "overload" is chance, and `noise.compare` counts the
+    3^m relabellings that look as extreme (its A/A-rerun test: 3 blocks can pass at 5%,
+    where the sign-flip test against a band needs 6; `clock_blocks` gives m). Only the
+    overload run's second half is judged: its first requests found the queue still short,
+    which is the point of the lesson, not noise. A send clock judged "within noise" while
+    the scheduled one is "overload slower" is coordinated omission caught in the act.
 
     Args:
         unloaded, loaded: per-request frames (ok rows are used).
         metric: "ttft" or "e2e": compares `<metric>_s` (from the schedule) and
             `<metric>_from_send_s`.
     """
-    base = unloaded[unloaded["status"] == "ok"][f"{metric}_s"].to_numpy(float)
+    un = unloaded[unloaded["status"] == "ok"]
     load = loaded[loaded["status"] == "ok"].sort_values("scheduled_t")
+    m = clock_blocks(len(un), len(load))
     load = load.iloc[len(load) // 2:]          # the queue builds over the run: judge its second half
-    floor = noise.noise_floor(base[0::2][:len(base) // 2], base[1::2][:len(base) // 2])
-    rows = {}
+    if m < 1:
+        raise ValueError(f"need 2 unloaded and 1 judged overload request at least, got {len(un)} and {len(load)}")
+    rows, floors = {}, []
     for clock, col in (("from the scheduled send", f"{metric}_s"), ("from the actual send", f"{metric}_from_send_s")):
-        x = load[col].to_numpy(float)
-        n = min(len(base), len(x))
-        c = noise.compare(base[:n], x[:n], floor, labels=("unloaded", "overload"))
+        base = un[col].to_numpy(float)
+        a, a2, x = base[0::2][:m], base[1::2][:m], load[col].to_numpy(float)[:m]
+        floor = noise.noise_floor(a, a2)       # this clock's own A/A: the test relabels a, a2 and x in each block
+        c = noise.compare(a, x, floor, labels=("unloaded", "overload"))
         rows[f"{metric.upper()} {clock}"] = {"median overload / unloaded": c.interval.median, "lo": c.interval.lo,
-                                             "hi": c.interval.hi, "pairs": c.interval.n,
+                                             "hi": c.interval.hi, "blocks": c.interval.n, "p": c.p,
+                                             "needs": c.fewest,
                                              "verdict": c.verdict.replace("unloaded faster", "overload slower")}
-    out = pd.DataFrame(rows).T
-    out.attrs["noise_floor_text"] = floor.text()
+        floors.append(f"{metric.upper()} {clock}: {floor.text()}")
+    out = pd.DataFrame.from_dict(rows, orient="index")      # one dtype per column, so the notebook can round
+    out.attrs["noise_floor_text"] = "\n".join(floors)
     return out
+
+
+def clock_sentence(t: pd.DataFrame) -> str:
+    """Which clock saw the overload, from the two rows of `clock_verdicts` (the scheduled
+    send first): each clock's ratio and verdict, then what the pair shows. It says when the
+    run cannot tell (too few blocks) and when it does not show one clock hiding the wait."""
+    def said(name: str, r) -> str:
+        head = f"{name}: {float(r['median overload / unloaded']):.2f}× unloaded ({int(r['blocks'])} blocks)"
+        v = r["verdict"]
+        if v == "overload slower":
+            return head + f", **saw the overload** (p = {float(r['p']):.2g}, beyond the unloaded run's own A/A)"
+        if v == "within noise":
+            return head + f", **did not see it** (p = {float(r['p']):.2g}: within the unloaded run's own A/A noise)"
+        if v == noise.TOO_FEW:
+            return head + f", **cannot tell**: {int(r['blocks'])} blocks cannot pass a test that needs {int(r['needs'])}"
+        return head + f", **{v}** beyond the A/A noise (p = {float(r['p']):.2g})"
+    s, a = t.iloc[0], t.iloc[1]
+    out = said(str(s.name), s) + "; " + said(str(a.name), a) + ". "
+    vs, va = s["verdict"], a["verdict"]
+    if noise.TOO_FEW in (vs, va):
+        return out + ("This run cannot say which clock saw the overload: each block needs two unloaded requests and "
+                      "one from the overload run's second half, so raise `N_REQUESTS` and `CO_REQUESTS`.")
+    if vs != "overload slower":
+        return out + ("The scheduled clock did not show the overload beyond noise, so this run does not show one "
+                      "clock hiding what the other sees.")
+    if va == "within noise":
+        return out + "The scheduled clock shows the overload and the send clock hides it: coordinated omission."
+    if va == "overload slower":
+        less = float(a["median overload / unloaded"]) < float(s["median overload / unloaded"])
+        return out + ("Both clocks saw a slowdown: " + ("the send clock's is smaller, so it hid part of the wait, "
+                      "not all of it." if less else "the send clock's is as large, so here it hid nothing."))
+    return out + "The scheduled clock shows the overload; the send clock even reads faster than unloaded."
 
 
 def service_drift(unloaded_s: float, wait: dict[str, float], asked: float) -> str:
@@ -348,11 +257,10 @@ def service_drift(unloaded_s: float, wait: dict[str, float], asked: float) -> st
                    "at the applied overload; the even/odd A/A floor cannot see this drift between runs.")
 
 
-def overload_wait(p: Profile, service_s: float, *, factor: float, n: int, client_queue: bool = False,
-                  results_root: str | Path | None = None) -> float:
-    """One more overload run on a fresh server (after one warm-up request): the last
-    request's E2E from its scheduled send, in units of that run's own S (`measured_wait`),
-    the number `predicted_wait(n, factor)` predicts.
+def overload_measured(p: Profile, service_s: float, *, factor: float, n: int, client_queue: bool = False,
+                      results_root: str | Path | None = None) -> dict[str, float]:
+    """One more overload run on a fresh server (after one warm-up request), read by
+    `measured_wait`: the last request's wait, the p50s of both clocks, and the S that run saw.
 
     Args:
         p: the profile (its server, prompt and answer lengths); service_s: one request's
@@ -363,8 +271,16 @@ def overload_wait(p: Profile, service_s: float, *, factor: float, n: int, client
         reqs = requests_for(engine, p)
         for _ in engine.stream(reqs[-1]):   # warm-up, untimed
             pass
-        w = measured_wait(overload(engine, reqs, service_s, factor=factor, n=n, client_queue=client_queue,
-                                   results_root=results_root))
+        return measured_wait(overload(engine, reqs, service_s, factor=factor, n=n, client_queue=client_queue,
+                                      results_root=results_root))
+
+
+def overload_wait(p: Profile, service_s: float, *, factor: float, n: int, client_queue: bool = False,
+                  results_root: str | Path | None = None) -> float:
+    """The last request's E2E from its scheduled send in units of its run's own S
+    (`overload_measured`): the number `predicted_wait(n, factor)` predicts. Arguments as
+    in `overload_measured`."""
+    w = overload_measured(p, service_s, factor=factor, n=n, client_queue=client_queue, results_root=results_root)
     return w["last_e2e_s"] / w["service_s"]
 
 

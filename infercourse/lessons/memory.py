@@ -23,7 +23,6 @@ idle slots in RAM so they need not be recomputed (`cache_ram_demo`).
 """
 from __future__ import annotations
 
-import re
 import time
 from typing import Any, Sequence
 
@@ -32,34 +31,20 @@ import numpy as np
 import pandas as pd
 
 from infercourse.core.types import Request, generate
-from infercourse.measure import noise, roofline
+from infercourse.measure import claims, noise, roofline
 from infercourse.measure.workloads import eval_text, exact_length_prompt
+from infercourse.servers.llama_log import VERBOSE_ARGS, log_buffers
 from infercourse.models.embedded import resolve_model, vocab_tokenizer
 from infercourse.ops.sampling import process_rss_mib
 
 __all__ = ["KV_TYPE_BYTES", "log_buffers", "predict_memory", "measure_server", "rss_line", "max_context",
-           "kv_type_nll", "kv_type_table", "decode_vs_context", "context_shift_demo", "cache_ram_demo", "rss_growth_with_prompts",
+           "kv_type_nll", "kv_type_table", "decode_vs_context", "shapes_vs_context", "shape_sentence",
+           "context_shift_demo", "cache_ram_demo", "rss_growth_with_prompts",
            "vocab_tokenizer"]
 
 # Bytes per cached element: ggml block sizes (q8_0: 34 bytes / 32 values; q4_0: 18 / 32).
 KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
                  "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
-_BUF = re.compile(r"(model|KV|compute) buffer size =\s*([\d.]+) MiB")
-_KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells")
-
-
-def log_buffers(log_text: str) -> dict[str, float]:
-    """MiB of each buffer kind a llama.cpp log reports (summed over devices), plus the KV
-    cache's cell count. Only the last model load in the log counts (a log may hold several)."""
-    text = log_text[log_text.rfind("llama_model_loader"):] if "llama_model_loader" in log_text else log_text
-    out = {"model_mib": 0.0, "kv_mib": 0.0, "compute_mib": 0.0}
-    for kind, mib in _BUF.findall(text):
-        out[{"model": "model_mib", "KV": "kv_mib", "compute": "compute_mib"}[kind]] += float(mib)
-    if m := _KV_LINE.search(text):
-        out["kv_cells"] = int(m.group(2))
-    return out
-
-
 def predict_memory(card: Any, ctx_size: int, kv_type: str = "f16") -> dict[str, float]:
     """Weights + KV cache for `ctx_size` cells, in MiB, from the model card alone.
 
@@ -75,7 +60,7 @@ def predict_memory(card: Any, ctx_size: int, kv_type: str = "f16") -> dict[str, 
 def _llama(model, ctx: int, n_parallel: int = 1, threads: int | None = None, extra: Sequence[str] = ()):
     from infercourse.servers import LlamaServer
     # -lv 4: this build logs its buffer sizes (model, KV, compute) only above the default verbosity
-    return LlamaServer(model, n_parallel=n_parallel, ctx_size=ctx, threads=threads, extra_args=["-lv", "4", *extra])
+    return LlamaServer(model, n_parallel=n_parallel, ctx_size=ctx, threads=threads, extra_args=[*VERBOSE_ARGS, *extra])
 
 
 def measure_server(model=None, ctx_size: int = 2048, n_parallel: int = 1, *, threads: int | None = None,
@@ -178,6 +163,29 @@ def decode_vs_context(engine, tokenize, contexts: Sequence[int], *, max_tokens: 
     out.attrs["noise_floor_text"] = floor.text() if floor else "repeats = 1: no A/A floor"
     out.attrs["noise_floor"] = floor.floor if floor else None
     return out
+
+
+def shapes_vs_context(growth: pd.DataFrame) -> pd.DataFrame:
+    """The measured decode speed and the bandwidth ceiling, each relative to the shortest
+    context. The measured one is the table's own `vs_<shortest>` column (the median of the
+    paired per-round ratios), not a ratio of the medians: one estimator, the same number in
+    the table, the sentence (`shape_sentence`) and the plot.
+
+    Args:
+        growth: `decode_vs_context`'s table (with a card and bandwidth: `ceiling_tok_per_s`).
+    """
+    ref = f"vs_{growth.index[0]} tokens"
+    ceil = growth["ceiling_tok_per_s"]
+    return pd.DataFrame({"measured": growth[ref], "bandwidth ceiling": ceil / ceil.iloc[0]}, index=growth.index)
+
+
+def shape_sentence(growth: pd.DataFrame) -> str:
+    """Did the measured decode speed fall with the context as the bandwidth model predicts,
+    faster, or slower (`claims.shape_sentence` on `shapes_vs_context`), judged against the
+    table's A/A band."""
+    rel = shapes_vs_context(growth)
+    return claims.shape_sentence(list(rel.index), rel["measured"], rel["bandwidth ceiling"],
+                                 floor=growth.attrs.get("noise_floor"))
 
 
 def kv_type_table(model=None, kv_types: Sequence[str] = ("f16", "q8_0", "q4_0"), *, ctx_size: int = 4096,

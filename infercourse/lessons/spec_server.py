@@ -48,8 +48,9 @@ def server_speculation(configs: Mapping[str, Sequence[str]], prompts: Mapping[st
     Columns: config, prompt, e2e_s, decode_tok_per_s (the server's own
     `predicted_per_second`: decode only, so a long prompt's prefill does not dilute it),
     draft_n and draft_n_accepted (proposed and accepted draft tokens, as the server counts
-    them; 0 without speculation), acceptance, speed_up (decode_tok_per_s over the
-    baseline's) and identical_output (same text as the baseline config). Each request runs
+    them; 0 without speculation), acceptance, speed_up_decode (decode_tok_per_s over the
+    baseline's: decode only, on the server's clock, unlike the end-to-end `speed_up_e2e` of
+    `speculative.compare_speculation`) and identical_output (same text as the baseline config). Each request runs
     `repeats` times and the fastest is kept: on a shared machine, the slower runs measure
     other processes.
 
@@ -97,6 +98,6 @@ def server_speculation(configs: Mapping[str, Sequence[str]], prompts: Mapping[st
                              "text": tr.text})
     df = pd.DataFrame(rows)
     base = df[df["config"] == baseline].set_index("prompt")
-    df["speed_up"] = [v / base.loc[p, "decode_tok_per_s"] for p, v in zip(df["prompt"], df["decode_tok_per_s"])]
+    df["speed_up_decode"] = [v / base.loc[p, "decode_tok_per_s"] for p, v in zip(df["prompt"], df["decode_tok_per_s"])]
     df["identical_output"] = [base.loc[p, "text"] == t for p, t in zip(df["prompt"], df["text"])]
     return df

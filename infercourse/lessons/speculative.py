@@ -20,7 +20,12 @@ target pass, holding accepted drafts + 1), and by `replay_acceptance`, which re-
 drafter offline on the final greedy output and counts proposals and acceptances. The
 replay is hand-written (a dozen lines) because neither in-process runtime reports
 proposal counts (llama-server does: `lessons.spec_server`). The draft-and-verify step
-itself, written out by hand, is in `lessons.draft_verify`.
+itself, written out by hand, is in `lessons.draft_verify`; what a run showed, in words
+written from its verdicts and counts, is in `lessons.spec_claims`.
+
+Speed-ups are named by their clock: `speed_up_e2e` here (whole requests, prefill
+included), `speed_up_decode` in `spec_server` (the server's own decode rate),
+`speed_up_cpu` in `draft_verify` (this process's CPU time).
 """
 from __future__ import annotations
 
@@ -34,8 +39,7 @@ import numpy as np
 from infercourse.core.errors import ModelLayerError
 
 __all__ = ["lookup_draft", "lookup_proposer", "replay_acceptance", "chunk_acceptance", "truncated_draft",
-           "output_ids", "compare_speculation", "outcome", "speedup_text", "explain_speculation", "loop_verdicts",
-           "expected_tokens_per_step", "expected_speedup", "break_even_acceptance", "plot_speedup",
+           "output_ids", "compare_speculation", "expected_tokens_per_step", "expected_speedup", "break_even_acceptance",
            "acceptance_from_tokens_per_step"]
 
 Proposer = Callable[[np.ndarray], np.ndarray]
@@ -115,25 +119,6 @@ def acceptance_from_tokens_per_step(tokens_per_step: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def plot_speedup(df, ax=None):
-    """Speed-up vs tokens per target pass, one point per (config, prompt) of
-    `compare_speculation`; the dashed line is speed-up 1 (no gain)."""
-    import matplotlib.pyplot as plt
-    ax = ax or plt.subplots(figsize=(6, 4))[1]
-    tps = df["lookup_tokens_per_step"].fillna(df["chunk_tokens_per_step"]) \
-        if "lookup_tokens_per_step" in df else df["chunk_tokens_per_step"]
-    for prompt, marker in zip(df["prompt"].unique(), "os^vD"):
-        m = df["prompt"] == prompt
-        ax.scatter(tps[m], df.loc[m, "speed_up"], marker=marker, label=prompt)
-        for x, y, c in zip(tps[m], df.loc[m, "speed_up"], df.loc[m, "config"]):
-            ax.annotate(c, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.axhline(1, ls="--", c="grey")
-    ax.set(xlabel="tokens per target pass", ylabel="speed-up vs its baseline (e2e)",
-           title="Speculative decoding: acceptance vs speed-up")
-    ax.legend(title="prompt")
-    return ax
-
-
 def replay_acceptance(context: Sequence[int], output: Sequence[int], propose: Proposer) -> dict:
     """Count what speculative greedy decoding did, by replaying its drafter.
 
@@ -145,18 +130,19 @@ def replay_acceptance(context: Sequence[int], output: Sequence[int], propose: Pr
         context: prompt token ids.
         output: the generated token ids (the target's greedy output).
         propose: drafter, token ids -> proposed next ids.
-    Returns steps (target passes), proposed, accepted, acceptance_rate (accepted /
-    proposed) and tokens_per_step.
+    Returns steps (target passes), proposing_steps (passes where the drafter proposed
+    anything), proposed, accepted, acceptance_rate (accepted / proposed) and tokens_per_step.
     """
     seq, out = list(context), list(output)
-    pos = steps = proposed = accepted = 0
+    pos = steps = proposing = proposed = accepted = 0
     while pos < len(out):
         draft = list(propose(np.array(seq + out[:pos])))[: len(out) - pos - 1]
         n = 0
         while n < len(draft) and draft[n] == out[pos + n]:
             n += 1
         steps, proposed, accepted, pos = steps + 1, proposed + len(draft), accepted + n, pos + n + 1
-    return {"steps": steps, "proposed": proposed, "accepted": accepted,
+        proposing += bool(draft)
+    return {"steps": steps, "proposing_steps": proposing, "proposed": proposed, "accepted": accepted,
             "acceptance_rate": accepted / proposed if proposed else float("nan"),
             "tokens_per_step": len(out) / steps if steps else float("nan")}
 
@@ -241,11 +227,13 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
 
     Columns: config, prompt, output_tokens, e2e_s, decode_tok_per_s, chunk_steps and
     chunk_tokens_per_step (from the stream; 1.0 where an engine streams token by token),
-    lookup_acceptance and lookup_tokens_per_step (replayed prompt-lookup drafter, for
-    configs using it), speed_up (baseline e2e / e2e, same prompt: the median paired ratio
-    over `repeats`) and identical_output (text equal to the baseline's). With repeats >= 2
-    each baseline also runs as its own A/A rerun, and each row gets `speed_up_lo`/`_hi`
-    (a 95% interval where `speed_up_exact`, else the range of its `speed_up_pairs` ratios),
+    lookup_acceptance, lookup_tokens_per_step, lookup_steps, lookup_proposing_steps,
+    lookup_proposed and lookup_accepted (the replayed prompt-lookup drafter's counts, for
+    configs using it), speed_up_e2e (baseline e2e / e2e, same prompt: the median paired
+    ratio over `repeats`; end to end, prefill included) and identical_output (text equal to
+    the baseline's). With repeats >= 2 each baseline also runs as its own A/A rerun, and
+    each row gets `speed_up_e2e_lo`/`_hi` (a 95% interval where `speed_up_e2e_exact`, else
+    the range of its `speed_up_e2e_pairs` ratios),
     `noise_floor` (the A/A floor for that baseline and prompt) and `verdict`
     (`measure.noise.compare`: the baseline, its rerun and the config tested as one block).
 
@@ -300,8 +288,8 @@ def compare_speculation(engine_factories: Mapping[str, Callable[[], object]],
             if uses_lookup:
                 ctx, out = output_ids(engine, req, tr.text)
                 replay = replay_acceptance(ctx, out, lookup_proposer(lookup_k))
-                row.update(lookup_acceptance=replay["acceptance_rate"],
-                           lookup_tokens_per_step=replay["tokens_per_step"])
+                row.update(lookup_acceptance=replay["acceptance_rate"], lookup_tokens_per_step=replay["tokens_per_step"],
+                           **{f"lookup_{k}": replay[k] for k in ("steps", "proposing_steps", "proposed", "accepted")})
             rows.append(row)
         if hasattr(getattr(engine, "llm", None), "close"):
             engine.llm.close()  # free llama.cpp memory now, not at interpreter exit
@@ -321,8 +309,8 @@ def _judge(trials, baselines: Mapping[str, str], aa: Mapping[str, str]):
     df["e2e_s"] = [float(e2e.loc[(c, p)].median()) for c, p in zip(df["config"], df["prompt"])]
     first = df.set_index(["config", "prompt"])
     rerun = {b: a for a, b in aa.items()}
-    cols = {k: [] for k in ("speed_up", "speed_up_lo", "speed_up_hi", "speed_up_exact", "speed_up_pairs",
-                            "noise_floor", "verdict", "fewest_pairs")}
+    cols = {k: [] for k in ("speed_up_e2e", "speed_up_e2e_lo", "speed_up_e2e_hi", "speed_up_e2e_exact",
+                            "speed_up_e2e_pairs", "noise_floor", "verdict", "fewest_pairs")}
     for c, p in zip(df["config"], df["prompt"]):
         b = baselines[c]
         iv = noise.paired_interval(e2e.loc[(c, p)], e2e.loc[(b, p)])        # baseline / this: > 1 is faster
@@ -336,88 +324,3 @@ def _judge(trials, baselines: Mapping[str, str], aa: Mapping[str, str]):
     df["identical_output"] = [first.loc[(baselines[c], p), "text"] == t for c, p, t in
                               zip(df["config"], df["prompt"], df["text"])]
     return df
-
-
-# -- what the run showed, in words (issue 26: every outcome from the verdicts) ---------------
-def outcome(verdict: str, config: str, baseline: str) -> str:
-    """A `noise.compare` verdict on `config` against `baseline`, as a phrase that says which
-    way, or that the run cannot tell."""
-    if verdict == f"{config} faster":
-        return f"faster than {baseline}, beyond the A/A noise"
-    if verdict == f"{baseline} faster":
-        return f"slower than {baseline}, beyond the A/A noise"
-    if verdict == "within noise":
-        return f"within noise of {baseline}: this run cannot rank them"
-    if verdict == "too few pairs":
-        return f"too few pairs to rank against {baseline}: no verdict either way"
-    return verdict
-
-
-def speedup_text(r) -> str:
-    """"1.23× (range [1.01, 1.40] of 4 pairs)": the median paired speed-up with its bracket,
-    called a range when too few pairs make it one (`claims.interval_word`)."""
-    from infercourse.measure.claims import interval_word
-    exact, n = bool(getattr(r, "speed_up_exact", False)), getattr(r, "speed_up_pairs", None)
-    pairs = f" of {int(n)} pairs" if n is not None and n == n else ""
-    return f"{r.speed_up:.2f}× ({interval_word(exact)} [{r.speed_up_lo:.2f}, {r.speed_up_hi:.2f}]{pairs})"
-
-
-def explain_speculation(df, baselines: Mapping[str, str], server_df=None, *, self_draft: str | None = None,
-                        hit: float = 1.5) -> str:
-    """The Explain text of `compare_speculation` (and `spec_server.server_speculation`),
-    written from the verdicts: one line per configuration and prompt, then where the
-    drafters hit (at least `hit` tokens per target pass) and what that bought, and the self
-    draft's outcome. A difference inside the A/A noise is called that, never a gain or a loss.
-
-    Args:
-        df: `compare_speculation` rows; baselines: {config: its baseline}.
-        server_df: `server_speculation` rows (no A/A rerun there: not judged, and said so).
-        self_draft: the config whose drafter is the target itself (every guess right).
-        hit: tokens per pass from which a drafter counts as hitting.
-    """
-    from infercourse.measure.noise import band_text
-    tps = df["lookup_tokens_per_step"].fillna(df["chunk_tokens_per_step"]) \
-        if "lookup_tokens_per_step" in df else df["chunk_tokens_per_step"]
-    acc = df["lookup_acceptance"].fillna(df["draft_acceptance"]) if "lookup_acceptance" in df else df["draft_acceptance"]
-    lines, hits, misses = [], [], []
-    for i, r in df.iterrows():
-        b = baselines[r.config]
-        if r.config == b:
-            continue
-        what = outcome(r.verdict, r.config, b)
-        a = f"{acc[i]:.0%} accepted" if acc[i] == acc[i] else "acceptance not counted"
-        band = band_text(r.noise_floor) if r.noise_floor == r.noise_floor else "none"
-        lines.append(f"- **{r.config}** / {r.prompt}: {a}, {tps[i]:.2f} tokens/pass, speed-up {speedup_text(r)}, "
-                     f"noise band {band}: **{what}**")
-        (hits if tps[i] >= hit else misses).append(f"{r.config} / {r.prompt}: {what.split(',')[0].split(':')[0]}")
-    out = "\n".join(lines)
-    judged = df[df["config"] != df["config"].map(baselines)]
-    if "fewest_pairs" in df and len(judged) and (judged["speed_up_pairs"] < judged["fewest_pairs"]).any():
-        n, need = int(judged["speed_up_pairs"].min()), int(judged["fewest_pairs"].max())
-        out += (f"\n\nWith {n} pairs the permutation test can never pass (it needs at least {need}): those rows "
-                "are unranked by construction, whatever their medians, not alike. Raise `REPEATS` to rank anything.")
-    out += (f"\n\nWhere the guesses hit (≥ {hit:g} tokens per target pass): {'; '.join(hits) or 'nowhere'}. "
-            f"Where they rarely did: {'; '.join(misses) or 'nowhere'}.")
-    for _, r in df[df["config"] == self_draft].iterrows():
-        out += (f" The self draft on the {r.prompt} prompt (every guess right by construction): "
-                f"{outcome(r.verdict, r.config, baselines[r.config])}.")
-    if server_df is not None and len(server_df):
-        base = server_df["config"].iloc[0]
-        rows = [f"{r.config} / {r.prompt}: {r.draft_n_accepted}/{r.draft_n} drafts accepted, decode {r.speed_up:.2f}× {base}"
-                for r in server_df.itertuples() if r.config != base]
-        out += ("\n\nllama-server (each the fastest of its runs; no A/A rerun, so these ratios are not judged "
-                "against noise): " + ("; ".join(rows) or "no drafter ran") + ".")
-    return out
-
-
-def loop_verdicts(loops) -> str:
-    """One line per drafter of `draft_verify.compare_drafters`: its CPU-time speed-up with
-    its interval or range and the verdict against the A/A floor, in words."""
-    ref = loops["drafter"].iloc[0]
-    out = "\n".join(f"- **{r.drafter}**: {r.tokens_per_pass:.2f} tokens per pass, CPU-time speed-up {speedup_text(r)}: "
-                    f"**{outcome(r.verdict, r.drafter, ref)}**" for r in loops.itertuples() if r.drafter != ref)
-    rest = loops[loops["drafter"] != ref]
-    if "fewest_pairs" in loops and len(rest) and (rest["speed_up_pairs"] < rest["fewest_pairs"]).any():
-        out += (f"\n\nWith {int(rest['speed_up_pairs'].min())} pairs the test can never pass (it needs at least "
-                f"{int(rest['fewest_pairs'].max())}): too few pairs to rank, by construction.")
-    return out

@@ -170,8 +170,11 @@ def share_vs_yardstick(share: float, yardstick: float, positions: int, *, design
 
 def marginal_cost_sentence(widths: Sequence[int], cost: Sequence[float], verdicts: Sequence[str] | None = None) -> str:
     """Where the extra cost of a wider pass comes from: the cost per added position between
-    consecutive widths. It tells a step (most cost in the first extra positions, later ones
-    nearly free) from a slope (every position pays about the same).
+    consecutive widths, the first extra positions against the later ones. Four shapes: a
+    **step** (later positions nearly free: a fixed cost of passing more than one), a
+    **slope** (about the same per position: arithmetic per position), a **knee** (later
+    positions more than 1.5× dearer each than the first), or in between. Hedged when a
+    verdict did not clear the noise or had too few pairs to try.
 
     Args:
         widths: positions per pass, the first the reference (1); cost: cost relative to it.
@@ -182,16 +185,26 @@ def marginal_cost_sentence(widths: Sequence[int], cost: Sequence[float], verdict
     parts = "; ".join(f"{a}→{b} positions: {s:+.3f} per added position" for a, b, s in steps)
     extra = f" ({', '.join(f'{k}: {v}' for k, v in zip(w[1:], (verdicts or [])[1:]))})" if verdicts else ""
     head = "pass cost vs 1 position: " + ", ".join(f"{k}: {v:.2f}×" for k, v in zip(w, c)) + extra + f"; {parts}"
-    noisy = any("within noise" in v for v in (verdicts or [])[1:])
-    hedge = (" These costs did not clear the A/A noise (the verdicts above), so the shape is a hint from the "
-             "medians, not a finding.") if noisy else ""
+    unjudged = [v for v in (verdicts or [])[1:] if "within noise" in v or "too few" in v]
+    why = "did not clear the A/A noise" if all("within noise" in v for v in unjudged) else \
+        "had too few pairs to be judged" if all("too few" in v for v in unjudged) else "were not shown beyond noise"
+    hedge = (f" Some of these costs {why} (the verdicts above), so the shape is a hint from the medians, "
+             "not a finding.") if unjudged else ""
     if len(steps) < 2:
         return head + "." + hedge
     first, later = steps[0][2], float(np.mean([s for *_, s in steps[1:]]))
-    if first > 0 and later < first / 3:
+    knee = (". A **knee**: later positions cost clearly more each than the first ones ("
+            + (f"{later / first:.1f}× the first extra positions' cost" if first > 0 else "the first were free")
+            + "): not a slope, where each would cost the same; cheap while the extra positions ride on work a pass "
+            "does anyway, dearer each past some width (the shape a kernel or cache limit gives).")
+    if first <= 0:
+        return head + (knee if later > 0 else ". Extra positions cost nothing measurable here.") + hedge
+    if later > 1.5 * first:
+        return head + knee + hedge
+    if later < first / 3:
         return (head + ". A **step**: the first extra positions cost the most, later ones were nearly free "
                 "(a fixed cost of passing more than one position, not arithmetic per position)." + hedge)
-    if first > 0 and later > first / 1.5:
+    if later >= first / 1.5:
         return head + (". A **slope**: each added position costs about as much as the first ones "
                        "(arithmetic per position).") + hedge
     return head + ". Neither a clean step nor a clean slope: later positions cost less than the first, but not nothing." + hedge

@@ -7,6 +7,9 @@ FLOP/s / (2 * params multiplied per token: the embedding is a lookup, not a
 matmul). `probe()` measures both ceilings here in a few seconds with numpy
 (large-array max and copy for bandwidth, float32 matmul for FLOP/s, best of N): a
 simple, repeatable stand-in for STREAM and a BLAS benchmark, not a tuned record.
+Both are measured on the engine's own thread count: a 1-thread server's ceiling is one
+core's. With B sequences decoded together (`batch_ceiling`) one read of the weights serves
+B tokens, so the memory roof rises with B while the compute roof stays put.
 
 The client has a ceiling too: `chunks_per_second` measures how many streamed chunks one
 client process takes in (and the CPU each costs) from `testing.SSESource`, a local server that is
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -29,8 +34,8 @@ from infercourse.models.modelcard import kv_bytes_per_token
 
 __all__ = ["probe", "memory_bandwidth_gbs", "matmul_gflops", "kv_bytes_per_token",
            "bytes_per_decoded_token", "decode_ceiling_tok_per_s", "prefill_ceiling_tok_per_s",
-           "prefill_params_per_token",
-           "mbu", "arithmetic_intensity", "balance_tokens", "ceilings", "chunks_per_second", "calibrated_roof"]
+           "prefill_params_per_token", "decode_params_per_token", "batch_ceiling",
+           "mbu", "arithmetic_intensity", "balance_tokens", "ceilings", "chunks_per_second"]
 
 
 def _best_time(fn: Callable[[], Any], *, repeats: int, budget_s: float) -> float:
@@ -46,7 +51,7 @@ def _best_time(fn: Callable[[], Any], *, repeats: int, budget_s: float) -> float
     return best
 
 
-def memory_bandwidth_gbs(size_mb: int = 256, *, threads: int = 1, repeats: int = 7,
+def memory_bandwidth_gbs(size_mb: int = 256, *, threads: int = 1, repeats: int = 30,
                          budget_s: float = 2.0) -> dict[str, float]:
     """Read bandwidth (max of a large float32 array: a SIMD scan that, unlike the
     pairwise `sum`, is not compute-bound) and copy bandwidth (bytes read + written).
@@ -54,7 +59,8 @@ def memory_bandwidth_gbs(size_mb: int = 256, *, threads: int = 1, repeats: int =
     Args:
         size_mb: array size; far larger than any CPU cache so we measure DRAM.
         threads: split the array across this many threads (numpy releases the GIL).
-        repeats: best of this many timed runs.
+        repeats: best of this many timed runs (a ceiling is the peak: on a shared machine
+            the more short runs, the likelier one meets an idle core).
         budget_s: stop repeating after this long.
     """
     n = size_mb * 2**20 // 4
@@ -79,32 +85,60 @@ def memory_bandwidth_gbs(size_mb: int = 256, *, threads: int = 1, repeats: int =
             "threads": threads, "size_mb": size_mb}
 
 
-def matmul_gflops(n: int = 1024, *, backend: str = "numpy", repeats: int = 5,
-                  budget_s: float = 2.0) -> float:
-    """float32 n x n matmul throughput, 2 n^3 FLOPs per product, best of `repeats`.
+# BLAS reads its thread count from these when it loads: a child process started with them
+# set runs the matmul on exactly that many threads (numpy has no thread setting of its own)
+_BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+                     "VECLIB_MAXIMUM_THREADS")
+_CHILD = ("import sys; from infercourse.measure.roofline import matmul_gflops as f; "
+          "print(f(int(sys.argv[1]), repeats=int(sys.argv[2]), budget_s=float(sys.argv[3])))")
+
+
+def matmul_gflops(n: int = 512, *, threads: int | None = None, backend: str = "numpy", repeats: int = 200,
+                  budget_s: float = 1.0) -> float:
+    """float32 n x n matmul throughput, 2 n^3 FLOPs per product, best of up to `repeats`.
+
+    Many short products, keeping the fastest: on a shared machine one of them runs while
+    no neighbour holds the core, and a ceiling is the peak, not the average.
 
     Args:
-        backend: "numpy" (its BLAS, all the threads it wants) or "torch" (CPU).
+        threads: BLAS threads (None: the library's default, every core). Give the engine's:
+            a 1-thread server's roof is one core's. Every core is also fragile: a BLAS whose
+            threads wait for each other collapses when any core is busy (a 2-core VM beside
+            one busy loop read 6-50 GFLOP/s on 2 threads, and 150 on 1).
+        backend: "numpy" (its BLAS; with `threads`, in a child process whose BLAS starts with
+            that many) or "torch" (CPU; its thread setting, restored after).
+        repeats, budget_s: best of this many products, stopping after this long.
     """
+    if backend not in ("numpy", "torch"):
+        raise ValueError(f"backend must be 'numpy' or 'torch', got {backend!r}")
+    if backend == "numpy" and threads is not None:
+        env = {**os.environ, **{v: str(threads) for v in _BLAS_THREAD_VARS}}
+        out = subprocess.run([sys.executable, "-c", _CHILD, str(n), str(repeats), str(budget_s)], env=env,
+                             capture_output=True, text=True, timeout=60 + 10 * budget_s, check=True)
+        return float(out.stdout.split()[-1])
     if backend == "torch":
         import torch
         a, b = torch.rand(n, n), torch.rand(n, n)
         fn = lambda: torch.mm(a, b)  # noqa: E731
-    elif backend == "numpy":
-        rng = np.random.default_rng(0)
-        a, b = rng.random((n, n), np.float32), rng.random((n, n), np.float32)
-        fn = lambda: a @ b  # noqa: E731
-    else:
-        raise ValueError(f"backend must be 'numpy' or 'torch', got {backend!r}")
-    return 2 * n**3 / _best_time(fn, repeats=repeats, budget_s=budget_s) / 1e9
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads or before)
+        try:
+            return 2 * n**3 / _best_time(fn, repeats=repeats, budget_s=budget_s) / 1e9
+        finally:
+            torch.set_num_threads(before)
+    rng = np.random.default_rng(0)
+    a, b = rng.random((n, n), np.float32), rng.random((n, n), np.float32)
+    return 2 * n**3 / _best_time(lambda: a @ b, repeats=repeats, budget_s=budget_s) / 1e9
 
 
 def probe(*, threads: int | None = None, quick: bool = False) -> dict[str, Any]:
-    """Measure this machine's ceilings: single- and multi-thread bandwidth, matmul GFLOP/s.
+    """Measure this machine's ceilings on `threads` threads: single- and multi-thread read
+    bandwidth, and float32 matmul GFLOP/s on that many threads (`matmul_threads`).
 
     Args:
-        threads: threads for the multi-thread bandwidth probe (default: logical cores).
-        quick: smaller arrays and fewer repeats (for tests; numbers are noisier).
+        threads: the engine's thread count (default: logical cores). Bandwidth is read on
+            one thread and on this many; the matmul runs on exactly this many.
+        quick: smaller arrays and shorter budgets (numbers are noisier).
     """
     threads = threads or os.cpu_count() or 1
     size = 64 if quick else 256
@@ -113,8 +147,8 @@ def probe(*, threads: int | None = None, quick: bool = False) -> dict[str, Any]:
     if threads > 1:
         many = memory_bandwidth_gbs(size, threads=threads, budget_s=1.0 if quick else 2.0)
         out.update(read_gbs_mt=many["read_gbs"], copy_gbs_mt=many["copy_gbs"])
-    out.update(threads=threads, array_mb=size,
-               matmul_gflops_f32=matmul_gflops(512 if quick else 1024, budget_s=1.0 if quick else 2.0))
+    out.update(threads=threads, array_mb=size, matmul_threads=threads,
+               matmul_gflops_f32=matmul_gflops(512, threads=threads, budget_s=0.5 if quick else 1.5))
     out["bandwidth_gbs"] = max(v for k, v in out.items() if k.startswith("read_gbs"))
     return out
 
@@ -171,6 +205,47 @@ def prefill_params_per_token(card: Any) -> float:
 def prefill_ceiling_tok_per_s(gflops: float, card: Any) -> float:
     """Upper bound on prefill speed: FLOP/s / (2 FLOPs x params multiplied per token)."""
     return gflops * 1e9 / (2 * prefill_params_per_token(card))
+
+
+def decode_params_per_token(card: Any) -> float:
+    """Parameters every decoded token is multiplied by: all of them, the LM head included
+    (tied embeddings are counted once in the card, and the head multiplies by that matrix
+    while the input lookup is free). `prefill_params_per_token` leaves the head out because
+    prefill runs it for the last prompt token only; decode runs it every token."""
+    return float(_params(card))
+
+
+def batch_ceiling(card: Any, machine: dict[str, Any], batch_sizes, context: int = 0) -> "Any":
+    """Aggregate decode ceiling when B sequences share each pass over the weights.
+
+    memory roof: B x bandwidth / (weights + B x KV bytes per token x context): the weights
+        are read once per step for the whole batch, but each sequence reads its own KV cache
+    compute roof: FLOP/s / (2 x params), the LM head included (`decode_params_per_token`)
+    The ceiling is the lower of the two; the crossover B is the machine's balance point.
+    `attrs["compute_source"]` says where the FLOP/s came from.
+
+    Args:
+        card: the model card; machine: `probe()` output (or bandwidth_gbs, matmul_gflops_f32).
+        batch_sizes: sequences decoded together.
+        context: tokens already cached per sequence.
+    """
+    import pandas as pd
+    weights = bytes_per_decoded_token(card, 0)
+    kv_ctx = bytes_per_decoded_token(card, context) - weights     # one sequence's KV read
+    params = decode_params_per_token(card)
+    compute = machine["matmul_gflops_f32"] * 1e9 / (2 * params)
+    rows = []
+    for b in batch_sizes:
+        step_bytes = weights + b * kv_ctx
+        mem = b * machine["bandwidth_gbs"] * 1e9 / step_bytes
+        rows.append({"batch": b, "flops_per_byte": 2 * params * b / step_bytes,
+                     "memory_bound_tok_per_s": mem, "compute_bound_tok_per_s": compute,
+                     "ceiling_tok_per_s": min(mem, compute), "bound": "memory" if mem < compute else "compute"})
+    out = pd.DataFrame(rows).set_index("batch")
+    t = machine.get("matmul_threads")
+    out.attrs["compute_source"] = (f"float32 matmul, {machine['matmul_gflops_f32']:.0f} GFLOP/s"
+                                   + (f" on {t} thread{'s' if t != 1 else ''}" if t else ""))
+    return out
 
 
 def mbu(decode_tok_per_s: float, bandwidth_gbs: float, card: Any, context: int = 0, **kw: Any) -> float:
@@ -243,30 +318,3 @@ def chunks_per_second(n_chunks: int = 20_000, n_requests: int = 3) -> dict[str, 
         if loop_in_thread(lambda: probe(engine)):
             raise KeyboardInterrupt
     return best
-
-
-def calibrated_roof(ceil, measured_decode) -> "Any":
-    """A compute roof that cannot sit below what the engine was measured to do.
-
-    The probe's roof comes from a float32 matrix multiply in numpy; the engine runs its own
-    kernels (quantized weights, other data types, other thread counts), which can be faster
-    than that probe. A roof below a measured rate is wrong by construction, so the roof used
-    is the higher of the probe's and the best measured aggregate decode rate; `attrs
-    ["compute_source"]` says which one it is (when it is the measured one, the true roof is
-    at least that, and the run shows no headroom above it).
-
-    Args:
-        ceil: `lessons.concurrency.batch_ceiling`'s table (one row per batch size).
-        measured_decode: aggregate decode tok/s per batch size (a Series indexed by batch).
-    """
-    out = ceil.copy()
-    probe = float(out["compute_bound_tok_per_s"].iloc[0])
-    best = float(max(v for v in measured_decode if v == v)) if len(measured_decode) else 0.0
-    roof = max(probe, best)
-    out["compute_roof_tok_per_s"] = roof
-    out["ceiling_tok_per_s"] = out[["memory_bound_tok_per_s", "compute_roof_tok_per_s"]].min(axis=1)
-    out["bound"] = ["memory" if m < roof else "compute" for m in out["memory_bound_tok_per_s"]]
-    out.attrs["compute_source"] = (f"the f32 matmul probe, {probe:.3g} tok/s" if probe >= best else
-                                   f"the engine's best measured decode rate, {best:.3g} tok/s: the f32 probe's "
-                                   f"{probe:.3g} tok/s sat below it")
-    return out
