@@ -127,3 +127,50 @@ def test_doctor_prints_the_accelerator(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "NVIDIA H100 80GB HBM3: 71234 MiB used of 81559 MiB, 97 % busy, 612 W of 700 W" in out
     assert "A10G" in out and "- of -" in out                        # power unknown, said so
+
+
+X86_CPUINFO = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512_fp16 amx_tile
+"""
+ARM_CPUINFO = """processor\t: 0
+Features\t: fp asimd evtstrm aes crc32 atomics fphp asimdhp asimddp i8mm
+"""
+
+
+def test_fp16_flags_reach_the_report_on_x86_and_arm(monkeypatch):
+    """Issue 31: a CPU with avx512_fp16 was said to lack 16-bit arithmetic; doctor's flag
+    filter hid the flag (and ARM's fphp/asimdhp)."""
+    x86, arm = hardware.parse_cpu_flags(X86_CPUINFO), hardware.parse_cpu_flags(ARM_CPUINFO)
+    assert hardware.fp16_support(x86) == {"convert": ["f16c"], "arithmetic": ["avx512_fp16"]}
+    assert hardware.fp16_support(arm) == {"convert": ["fp"], "arithmetic": ["fphp", "asimdhp"]}
+    assert hardware.fp16_support({"avx2", "f16c"}) == {"convert": ["f16c"], "arithmetic": []}
+    for text, shown in ((X86_CPUINFO, {"avx512_fp16", "f16c"}), (ARM_CPUINFO, {"fphp", "asimdhp", "asimddp", "i8mm"})):
+        monkeypatch.setattr(hardware, "cpu_flags_all", lambda t=text: hardware.parse_cpu_flags(t))
+        assert shown <= set(hardware.hardware_info()["cpu_flags"])
+
+
+def test_mac_flags_come_from_sysctl(monkeypatch):
+    monkeypatch.setattr(hardware.sys, "platform", "darwin")
+    on = {"hw.optional.AdvSIMD", "hw.optional.arm.FEAT_FP16", "hw.optional.arm.FEAT_DotProd"}
+    monkeypatch.setattr(hardware, "_run", lambda cmd: "1" if cmd[-1] in on else "0")
+    assert hardware.fp16_support() == {"convert": ["fp"], "arithmetic": ["fphp", "asimdhp"]}
+    assert "asimddp" in hardware.cpu_flags_all() and "i8mm" not in hardware.cpu_flags_all()
+
+
+def test_llamacpp_build_features_parse():
+    text = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | REPACK = 1 | \nMetal : EMBED_LIBRARY = 1 | "
+    got = hardware.parse_system_info(text)
+    assert got["AVX2"] == "1" and got["REPACK"] == "1" and got["EMBED_LIBRARY"] == "1" and "AVX512" not in got
+    assert hardware.parse_system_info("NEON = 1 | FP16_VA = 1 | SVE_CNT = 16 |")["SVE_CNT"] == "16"
+
+
+def test_doctor_shows_fp16_support_and_the_build(monkeypatch, capsys):
+    from infercourse.ops import doctor
+    monkeypatch.setattr(hardware, "cpu_flags_all", lambda: hardware.parse_cpu_flags(X86_CPUINFO))
+    monkeypatch.setattr(doctor, "llamacpp_features", lambda: {"AVX2": "1", "F16C": "1", "AVX512": "0"})
+    monkeypatch.setattr(doctor, "CHECKS", {"llamacpp": lambda: (True, "llama-cpp-python x")})
+    doctor.print_report(doctor.env_report(engines=True))
+    out = capsys.readouterr().out
+    assert "convert: f16c; 16-bit arithmetic: avx512_fp16" in out
+    assert "llama.cpp built" in out and "AVX2 F16C" in out and "AVX512" not in out.split("llama.cpp built")[1].splitlines()[0]

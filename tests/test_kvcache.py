@@ -45,11 +45,14 @@ def test_kv_table_by_hand():
     row = t.loc["Llama-3.1-8B"]
     assert row["kv_kib_per_token_f16"] == 128
     assert row["kv_gib_f16/bf16"] == pytest.approx(4.0)          # 128 KiB * 32768 = 4 GiB
-    assert row["kv_gib_fp8/q8_0"] == pytest.approx(2.0)
+    assert row["kv_gib_fp8"] == pytest.approx(2.0)
+    assert row["kv_gib_q8_0"] == pytest.approx(4.0 * 34 / 64)   # 34 bytes per 32 values, scale included
     assert row["kv_gib_f16_if_mha"] == pytest.approx(16.0)       # 32 KV heads instead of 8
     # Llama-2-7B has no GQA: its MHA column equals its actual one
     l2 = t.loc["Llama-2-7B"]
     assert l2["kv_gib_f16_if_mha"] == l2["kv_gib_f16/bf16"] == pytest.approx(16.0)
+    # issue 31: q4_0 printed 4.00 GiB here, the 4 bits alone; with its block scales, 4.5
+    assert l2["kv_gib_q4_0"] == pytest.approx(4.5)
     assert all(s.startswith("https://huggingface.co/") for s in t["source"])
 
 
@@ -182,3 +185,15 @@ def test_state_bytes_lies_on_the_measured_line(llamacpp_engine):
     assert got == pytest.approx(m["state_bytes"][1] + m["kv_bytes_per_token"] * (144 - 80), rel=1e-6)
     with pytest.raises(ContextLayerError):
         kvcache.state_bytes(llamacpp_engine, 10**6)
+
+
+def test_block_cache_types_count_their_scales_like_the_block_lesson():
+    """One source of truth for llama.cpp's block sizes: the cache types' bytes per value are
+    the block arithmetic of notebook 06 (quant_blocks.block_bytes), not 1 and 0.5."""
+    import numpy as np
+    from infercourse.lessons import quant_blocks as qb
+    x = np.linspace(-1, 1, qb.BLOCK)
+    for name, quantize in (("q8_0", qb.quantize_q8_0), ("q4_0", qb.quantize_q4_0)):
+        one_block = qb.block_bytes(*quantize(x), name.upper())       # as written into a GGUF
+        assert kvcache.DTYPE_BYTES[name] == len(one_block) / qb.BLOCK
+    assert kvcache.DTYPE_BYTES["q8_0"] == 34 / 32 and kvcache.DTYPE_BYTES["q4_0"] == 18 / 32

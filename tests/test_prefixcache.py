@@ -90,9 +90,10 @@ def test_cold_warm_llamacpp(llamacpp_engine, tmp_path, monkeypatch):
     # llama.cpp's perf counter (prompt_n) = the batches the Python side really sent
     assert [b for b in batches if b > 1][-len(df):] == df["prompt_n"].tolist()
     # what a warm request evaluated = what theory says is left: the tokens after the two
-    # prompts' common prefix, from the token ids alone, not from the runtime (bench salts the
-    # start of every prompt of a run alike, which moves the prefix, not what follows it)
+    # prompts' common prefix, from the token ids alone, not from the runtime; and both
+    # settings sent exactly these prompts (no salt moved the prefix)
     ids = [llamacpp_engine.prompt_tokens(r) for r in reqs]
+    assert off["prompt_tokens"].tolist() == on["prompt_tokens"].tolist() == [len(i) for i in ids]
     assert on["prompt_n"].iloc[1:].tolist() == [len(b) - pc.first_divergence(a, b) for a, b in zip(ids, ids[1:])]
     assert (on["cached_tokens"] + on["prompt_n"] == on["prompt_tokens"]).all()   # the two sources agree
     s = pc.cold_warm_summary(df)
@@ -129,6 +130,17 @@ def test_cache_loss_sentence_follows_the_counts():
     assert "fell from **500** to **20**" in pc.cache_loss_sentence("timestamp", 500, 20, 19)
     assert "stayed at **500**" in pc.cache_loss_sentence("same", 500, 500, 510)
     assert "rose" in pc.cache_loss_sentence("longer", 500, 600, 610)
+
+
+def test_cache_loss_sentence_sets_the_cached_tokens_against_the_divergence():
+    """Issue 31: 'fell from 522 to 33 (the prompts part at token 25)' went unremarked."""
+    import re
+    exact = pc.cache_loss_sentence("timestamp", 522, 25, 25)
+    assert re.search(r"\bexactly the 25 tokens before\b", exact)
+    assert re.search(r"\b2 fewer than the 25 tokens\b", pc.cache_loss_sentence("timestamp", 522, 23, 25))
+    over = pc.cache_loss_sentence("timestamp", 522, 33, 25)
+    assert re.search(r"\bmore than the 25 tokens\b", over) and "were not these prompts" in over
+    assert "exactly" not in over
 
 
 def test_with_pasted_text_grows_only_the_part_after_the_prefix():
@@ -181,10 +193,26 @@ def test_interleaved_requests_meet_another_users_prefix(tmp_path):
     eng = OneSequenceEngine()
     a, b = small_workload(3), small_workload(2, lambda i: f"Time: 10:00:{i:02d}\n")
     t = pc.interleaved_ttft_s(eng, a, b, results_root=tmp_path)
-    kinds = ["b" if s.split("\n", 1)[-1].startswith("Time") else "a" for s in eng.seen[1:]]  # after the warm-up
+    kinds = ["b" if s.startswith("Time") else "a" for s in eng.seen[1:]]  # after the warm-up; no salt
     assert kinds == ["a", "b", "a", "b", "a"]
     assert t >= eng.cold_s          # tasks 2 and 3 each came after the other user's prompt
     with pytest.raises(ValueError):
         pc.interleaved_ttft_s(eng, a, b[:1])
     # the same tasks back to back: the warm ones are reported (a number, from the warm rows only)
     assert pc.warm_ttft_s(eng, a, results_root=tmp_path) > 0
+
+
+def test_cold_warm_sends_the_same_requests_with_the_cache_off_and_on(tmp_path):
+    """Issue 31: bench salted the cache-on run only (a list of Requests is no cache workload),
+    so its prompts were 9 tokens longer and parted 8 tokens later than the ones divergence_view
+    tokenized, and 'the same requests twice' was not true."""
+    reqs = small_workload(3)
+    eng = OneSequenceEngine(cold_s=0.0)
+    df = pc.cold_warm(eng, reqs, results_root=tmp_path)
+    sent = eng.seen[1:]                                    # after the warm-up request
+    assert sent == [r.messages[0]["content"] for r in reqs] * 2
+    assert df.groupby("cache_prompt").size().tolist() == [3, 3]
+    # a salt, when asked for, starts every prompt of every setting alike
+    eng = OneSequenceEngine(cold_s=0.0)
+    pc.cold_warm(eng, reqs, results_root=tmp_path, salt="s41t")
+    assert eng.seen[1:] == [f"s41t\n{r.messages[0]['content']}" for r in reqs] * 2

@@ -156,7 +156,7 @@ def test_nf4_sentence_follows_its_numbers():
 
 def test_load_state_refuses_missing_and_unexpected_keys():
     torch = pytest.importorskip("torch")
-    from infercourse.models.quant_formats import load_state
+    from infercourse.models.quant_tensors import load_state
 
     def stand_in(tied):   # a two-layer stand-in for a causal LM with a tied output layer
         m = torch.nn.Module()

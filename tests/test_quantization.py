@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from infercourse.core.errors import ModelLayerError
-from infercourse.lessons.quantization import greedy_agreement, levels_per_block, paired_nll_difference
+from infercourse.lessons.quant_claims import paired_nll_difference
+from infercourse.lessons.quantization import greedy_agreement, levels_per_block
 
 
 def test_greedy_agreement_stops_at_first_difference():
@@ -131,11 +132,11 @@ def test_tensor_rows_explains_the_fallbacks():
 def test_cache_line_follows_the_numbers():
     """06 printed "cache 315 MB; the F16 weights are 269 MB, 1x more, so every token streams
     them from memory": the sentence now follows from the sizes and the measured MBU."""
-    from infercourse.lessons.quantization import cache_line
+    from infercourse.lessons.quant_claims import cache_line
     big = cache_line(32 * 2**20, 269e6, 0.37)
     assert "8.0× more" in big and "streams them from memory" in big
     fits = cache_line(315e6, 269e6, 0.37)
-    assert "could fit" in fits and "85% of it" in fits and "streamed from memory all the same" in fits
+    assert "could fit" in fits and "85% of it" in fits and "bytes were not its limit" in fits
     assert "more" not in fits.split("(")[0]
     assert "stay cached" in cache_line(315e6, 269e6, 1.4)
     assert cache_line(None, 269e6, 0.37) == ""
@@ -156,7 +157,7 @@ def _ladder(speeds, mbu, agreement, nll_shift):
 
 
 def test_ladder_reading_flips_with_the_numbers():
-    from infercourse.lessons.quantization import ladder_reading
+    from infercourse.lessons.quant_claims import ladder_reading
     text = ladder_reading(_ladder([20, 35, 60], [0.5, 0.45, 0.3], [1.0, 0.4], (0.0, 0.5)))
     assert "rose at every step down in bytes" in text and "belongs to Q2_K" in text and "unpacking" in text
     assert "(same); Q2_K +0.49" in text and "clearly worse is **Q2_K**" in text
@@ -167,7 +168,7 @@ def test_ladder_reading_flips_with_the_numbers():
 
 
 def test_same_scores_sentence_says_same_or_worse():
-    from infercourse.lessons.quantization import same_scores_sentence
+    from infercourse.lessons.quant_claims import same_scores_sentence
     a = np.linspace(1, 3, 100)
     assert "**the same**" in same_scores_sentence({"F16": a, "Q4_1": a}, "F16", "Q4_1")
     assert "**worse**" in same_scores_sentence({"F16": a + 0.1, "Q4_1": a}, "F16", "Q4_1")
@@ -182,3 +183,14 @@ def test_file_bits_per_weight_counts_the_fallbacks():
     assert 8.5 <= q8 < 8.52
     q6 = file_bits_per_weight("Q6_K")
     assert 7.9 < q6 < q8          # well above the name's 6.5625: only ffn_down rows split into 256
+
+
+def test_tensor_types_counts_each_block_type_of_a_file():
+    """What a file holds per storage type (the Memory line matches a file's excess against these)."""
+    import os
+    from infercourse.lessons.quantization import tensor_types
+    from infercourse.models.embedded import embedded_gguf
+    t = tensor_types(embedded_gguf())
+    assert (t["Q4_1"]["count"], t["Q8_0"]["count"]) == (210, 1)            # the token embedding at Q8_0
+    assert t["Q8_0"]["bytes"] % 34 == 0 and t["Q4_1"]["bytes"] % 20 == 0   # whole blocks
+    assert 0.95 < sum(e["bytes"] for e in t.values()) / os.path.getsize(embedded_gguf()) < 1   # + header, vocab

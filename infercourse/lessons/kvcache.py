@@ -213,7 +213,18 @@ def loop_seconds(model, input_ids, n_new: int, *, cached: bool = False) -> float
 
 
 # -- what the cache costs --------------------------------------------------------------------
-DTYPE_BYTES = {"f32": 4, "f16/bf16": 2, "fp8/q8_0": 1, "q4_0": 0.5}  # q8_0 is ~1.06 with scales
+def _block_bytes_per_value(name: str) -> float:
+    """Bytes per value of a llama.cpp block type, its scales included, from gguf-py's table
+    of llama.cpp's block sizes (q8_0: 34 bytes per block of 32, q4_0: 18 per 32)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]]
+    return nbytes / values
+
+
+# Bytes per cached value. fp8 (vLLM's kv_cache_dtype) is 1 byte a value, its scale one per
+# tensor; llama.cpp's q8_0 and q4_0 cache types store a 16-bit scale per block of 32 values.
+DTYPE_BYTES = {"f32": 4, "f16/bf16": 2, "fp8": 1, "q8_0": _block_bytes_per_value("q8_0"),
+               "q4_0": _block_bytes_per_value("q4_0")}
 
 
 def hf_cache_bytes(model, input_ids) -> dict[str, Any]:
@@ -300,7 +311,7 @@ PUBLISHED_CONFIGS = {
 
 
 def kv_table(configs: dict[str, dict] | None = None, context_tokens: int = 32_768,
-             dtypes: Iterable[str] = ("f16/bf16", "fp8/q8_0", "q4_0")):
+             dtypes: Iterable[str] = ("f16/bf16", "fp8", "q8_0", "q4_0")):
     """KV-cache size per model: bytes per token, GiB at `context_tokens` for each cache
     dtype, and what the same model would need with full multi-head attention (one KV
     head per query head, no GQA sharing).
@@ -309,7 +320,7 @@ def kv_table(configs: dict[str, dict] | None = None, context_tokens: int = 32_76
         configs: name -> dict(n_layers, n_heads, n_kv_heads, head_dim[, source]);
             default PUBLISHED_CONFIGS. A `modelcard.ModelCard.as_dict()` works too.
         context_tokens: tokens held in the cache (one sequence).
-        dtypes: keys of DTYPE_BYTES.
+        dtypes: keys of DTYPE_BYTES (block types count their scales: q8_0 is 34/32 bytes a value).
     """
     import pandas as pd
     rows = []

@@ -91,7 +91,7 @@ def compare_with_bitsandbytes(weight, block: int = 64) -> dict:
         weight: e.g. one linear layer's weight from the HF model.
         block: weights per scale.
     """
-    from infercourse.models.quant_formats import quiet
+    from infercourse.models.quiet import quiet
     quiet()   # bitsandbytes logs a missing optional CPU kernel package on import
     import torch
     import bitsandbytes.functional as bf

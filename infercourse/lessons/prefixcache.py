@@ -94,15 +94,18 @@ def _warm_up(engine) -> None:
 
 
 def cold_warm(engine, workload, *, label: str = "prefix", results_root: str | Path | None = None,
-              settings: Iterable[bool] = (False, True)) -> pd.DataFrame:
+              settings: Iterable[bool] = (False, True), salt: str | None = None) -> pd.DataFrame:
     """Run the same requests with the prefix cache off, then on, back to back.
 
     With the cache off every request prefills its whole prompt (cold). With it on, a request
     whose leading tokens match what the engine still holds from the previous one prefills
     only the rest (warm). Requests are forced to their `max_tokens` (ignore_eos) so TTFT
-    always exists. Returns bench's per-request frame with `cache_prompt`, `req_index`,
-    `prompt_n` (tokens evaluated, where the engine reports it) and `state` ("warm" when at
-    least half the prompt came from the cache, else "cold").
+    always exists. Every setting sends the very same tokens: bench's per-run salt, which
+    would start each cache-on prompt with new tokens and move every prefix, is off unless
+    `salt` is given, and then one salt serves all settings. Returns bench's per-request
+    frame with `cache_prompt`, `req_index`, `prompt_n` (tokens evaluated, where the engine
+    reports it) and `state` ("warm" when at least half the prompt came from the cache, else
+    "cold").
 
     Args:
         engine: an in-process engine (reset between settings) or an HTTP engine.
@@ -110,6 +113,9 @@ def cold_warm(engine, workload, *, label: str = "prefix", results_root: str | Pa
         label: run name prefix; one run per setting is saved under `results_root`, each
             in a new timestamped folder.
         settings: the cache_prompt values to run, in order.
+        salt: None sends the prompts as given (the tokens `divergence_view` counts); a string
+            (e.g. `bench.new_salt()`) starts every prompt of every setting with it, so a
+            long-lived server's pool cannot serve an earlier run's prefix to the first request.
     """
     from infercourse.measure.bench import run
     reqs = list(getattr(workload, "requests", workload))
@@ -120,7 +126,7 @@ def cold_warm(engine, workload, *, label: str = "prefix", results_root: str | Pa
             engine.reset()
         name = f"{label}-{'cache' if cache else 'nocache'}"
         res = run(engine, [replace(r, cache_prompt=cache, ignore_eos=True) for r in reqs],
-                  pattern="sequential", warmup=0, progress=False, label=name,
+                  pattern="sequential", warmup=0, progress=False, label=name, salt=salt or False,
                   out_dir=new_run_dir(results_root, name),
                   conditions={"cache_prompt": cache, "workload_name": getattr(workload, "name", None)})
         df = res.df.copy()
@@ -179,14 +185,30 @@ def cold_warm_sentence(df: pd.DataFrame, predicted_share: float, where: str = "I
 
 def cache_loss_sentence(name: str, shared: float, got: float, diverge_at: int) -> str:
     """What a prompt variant did to the cache: its second request's cached tokens against
-    the `shared` variant's, and where the two prompts part."""
+    the `shared` variant's, and against where the two prompts part (`diverge_at`, from
+    `divergence_view`): a prefix cache can serve at most the tokens before that point.
+
+    Args:
+        name: the variant, as the sentence opens.
+        shared: cached tokens of the shared variant's second request.
+        got: cached tokens of this variant's second request.
+        diverge_at: the first token where this variant's two prompts differ.
+    """
     if got < shared:
         move = f"cached tokens per request fell from **{shared:.0f}** to **{got:.0f}**"
     elif got > shared:
         move = f"cached tokens per request rose from **{shared:.0f}** to **{got:.0f}**"
     else:
         move = f"cached tokens per request stayed at **{got:.0f}**, as many as the shared prefix"
-    return f"- {name}: {move} (the prompts part at token {diverge_at})."
+    if got == diverge_at:
+        vs = f"exactly the {diverge_at} tokens before the point where the two prompts part"
+    elif got < diverge_at:
+        vs = (f"{diverge_at - got:.0f} fewer than the {diverge_at} tokens before the point where the two "
+              "prompts part (the engine evaluates the last shared token(s) again)")
+    else:
+        vs = (f"more than the {diverge_at} tokens the two prompts share as tokenized here: the requests "
+              "sent were not these prompts")
+    return f"- {name}: {move}, {vs}."
 
 
 def prometheus_counters(source: str, names: Iterable[str]) -> dict[str, float]:
@@ -233,7 +255,7 @@ def run_with_counters(engine, workload, source: str, names: Iterable[str], **kw:
     Args:
         source: the server URL whose /metrics to read.
         names: counter families, e.g. VLLM_PREFIX_COUNTERS or LLAMA_SERVER_COUNTERS.
-        kw: passed to `cold_warm` (settings, label, results_root).
+        kw: passed to `cold_warm` (settings, label, results_root, salt).
     """
     names = list(names)
     before = prometheus_counters(source, names)

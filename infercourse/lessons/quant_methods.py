@@ -198,7 +198,9 @@ def measure_methods(methods: Sequence[str], gguf_paths: dict[str, str | Path], *
     import pandas as pd
 
     from infercourse.models import quant_formats as qf
-    qf.quiet()   # before transformers imports torchao and bitsandbytes
+    from infercourse.models.quant_tensors import weight_bytes
+    from infercourse.models.quiet import quiet
+    quiet()   # before transformers imports torchao and bitsandbytes
     from infercourse.engines.transformers_engine import TransformersEngine
     from infercourse.measure import quant_speed as qs
     from infercourse.models.derive import manifest
@@ -217,7 +219,7 @@ def measure_methods(methods: Sequence[str], gguf_paths: dict[str, str | Path], *
         models[name] = model
         rows[name] = {"format": name, "family": info.library, "bits": info.bits, "float_dtype": info.dtype,
                       "calibrated": info.calibrated, "weight_only": info.weight_only,
-                      "file_bytes": manifest(folder)["output_bytes"], "weight_bytes": qf.weight_bytes(model),
+                      "file_bytes": manifest(folder)["output_bytes"], "weight_bytes": weight_bytes(model),
                       **quality_row(scored, ref),
                       f"tput_{concurrency}_tok_per_s": qs.static_batch_tput(model, tok, prompts, max_tokens,
                                                                             concurrency),

@@ -11,7 +11,12 @@ the process memory the load added, prefill and decode speed, perplexity on a fix
 and how often its greedy output agrees with a reference file's, plus the decode ceiling
 that its bytes per token imply. `levels_per_block` looks inside a tensor to show where a
 file really came from: weights dequantized from 4-bit blocks take at most 16 distinct
-values per block, whatever the container's dtype.
+values per block, whatever the container's dtype. `tensor_rows` and `tensor_types` read
+what each file stores per tensor (a K-quant falls back to 32-weight types for rows that do
+not split into 256), which is also what explains its memory: llama.cpp's CPU backend keeps
+some block types a second time, repacked for its interleaved kernels.
+
+The sentences that say what a ladder showed live in `quant_claims`.
 """
 from __future__ import annotations
 
@@ -24,17 +29,8 @@ import numpy as np
 from infercourse import compat
 from infercourse.core.errors import ModelLayerError
 
-__all__ = ["measure_ladder", "ladder_paths", "greedy_agreement", "rss_bytes",
-           "levels_per_block", "paired_nll_difference",
-           "ladder_table", "tensor_rows", "last_level_cache_bytes", "cache_line", "nll_verdict",
-           "same_scores_sentence", "ladder_reading", "file_bits_per_weight", "file_decode_speed"]
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process now (bytes): what the OS actually holds for it,
-    including touched pages of memory-mapped model files."""
-    import psutil
-    return psutil.Process().memory_info().rss
+__all__ = ["measure_ladder", "ladder_paths", "greedy_agreement", "levels_per_block",
+           "ladder_table", "tensor_rows", "tensor_types", "file_bits_per_weight", "file_decode_speed"]
 
 
 def greedy_agreement(reference: Sequence[str], candidate: Sequence[str]) -> float:
@@ -151,11 +147,13 @@ def measure_ladder(paths: dict[str, str | Path], prompts: Sequence[str], *, max_
 
     Columns: quant, file_type, file_bytes, size_gb, weight_bytes and bits_per_weight (as
     llama.cpp loaded the tensors),
-    rss_delta_bytes (resident memory the load and a first request added: weights touched,
-    KV cache of `n_ctx`, compute buffers), prefill_tok_per_s and decode_tok_per_s (median
+    rss_delta_bytes, mapped_bytes and other_bytes (the resident memory that loading the file
+    and one short request add in a fresh process: in all, through the file's mapping, and the
+    rest; `measure.load_memory`), prefill_tok_per_s and decode_tok_per_s (median
     over prompts), perplexity (on `eval_text`), greedy_agreement (mean over prompts, vs
     `reference`), decode_ceiling_tok_per_s and mbu (when `bandwidth_gbs` is given).
-    `df.attrs["token_nlls"]` holds each file's per-token NLLs of `eval_text`.
+    `df.attrs["token_nlls"]` holds each file's per-token NLLs of `eval_text`, and
+    `df.attrs["tensor_types"]` each file's `tensor_types`.
 
     Args:
         paths: {name: GGUF path}, e.g. from `ladder_paths`.
@@ -173,6 +171,7 @@ def measure_ladder(paths: dict[str, str | Path], prompts: Sequence[str], *, max_
 
     from infercourse.engines.llamacpp import LlamaCppEngine
     from infercourse.core.metrics import decode_tok_per_s, prefill_tok_per_s
+    from infercourse.measure.load_memory import gguf_load_memory
     from infercourse.models.quality import token_nlls
     from infercourse.measure.roofline import decode_ceiling_tok_per_s
 
@@ -186,12 +185,12 @@ def measure_ladder(paths: dict[str, str | Path], prompts: Sequence[str], *, max_
     rows, ref_pieces, nlls = {}, None, {}
     for name in order:
         path = Path(paths[name])
+        # in a process of its own: here, the previous file's freed memory would blur the reading
+        memory = gguf_load_memory(path, n_ctx=n_ctx, n_threads=n_threads)
         gc.collect()
-        rss0 = rss_bytes()
         engine = LlamaCppEngine(path, n_ctx=n_ctx, n_threads=n_threads)
         try:
             _run_prompts(engine, prompts[:1], 4)  # warm-up: page the weights in
-            rss1 = rss_bytes()
             traces, pieces = _run_prompts(engine, prompts, max_tokens)
             facts = _facts(engine.llm, path)
         finally:
@@ -206,7 +205,7 @@ def measure_ladder(paths: dict[str, str | Path], prompts: Sequence[str], *, max_
         prompt_ctx = int(np.mean([tr.prompt_tokens for tr in traces])) + max_tokens // 2
         row = {"quant": name, "file_type": facts["file_type"], "file_bytes": facts["file_bytes"],
                "size_gb": facts["file_bytes"] / 1e9, "weight_bytes": facts["weight_bytes"],
-               "bits_per_weight": facts["bits_per_weight"], "rss_delta_bytes": rss1 - rss0,
+               "bits_per_weight": facts["bits_per_weight"], **memory,
                "prefill_tok_per_s": float(np.median([prefill_tok_per_s(t) for t in traces])),
                "decode_tok_per_s": float(np.median([decode_tok_per_s(t) for t in traces])),
                "greedy_agreement": float(np.mean([greedy_agreement(r, c)
@@ -220,24 +219,8 @@ def measure_ladder(paths: dict[str, str | Path], prompts: Sequence[str], *, max_
         rows[name] = row
     df = pd.DataFrame([rows[k] for k in paths])  # back in the caller's order
     df.attrs["token_nlls"] = nlls  # per-token NLLs, for paired comparisons
+    df.attrs["tensor_types"] = {k: tensor_types(paths[k]) for k in paths}   # what explains memory
     return df
-
-
-def paired_nll_difference(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """Mean per-token NLL difference a - b (nats) and its standard error.
-
-    Both models score the same tokens, so the difference is taken token by token: the
-    text's own hard and easy tokens cancel, and what remains is the models' difference.
-
-    Args:
-        a, b: per-token NLLs of the same text under two models (same tokenizer).
-    """
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    if a.shape != b.shape:
-        raise ModelLayerError(f"NLL arrays differ in length ({a.size} vs {b.size}): the two "
-                              "models tokenized the text differently", hint="compare models with one tokenizer")
-    d = a - b
-    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size))
 
 
 def levels_per_block(gguf_path: str | Path, tensors: Sequence[str], block: int = 32,
@@ -300,119 +283,20 @@ def tensor_rows(gguf_path: str | Path):
     return out.reset_index()
 
 
-def last_level_cache_bytes() -> int | None:
-    """Size of the CPU's largest cache level (bytes), to compare with a model's weights:
-    from /sys on Linux, `sysctl` on macOS; None where neither says."""
-    import re
-    import subprocess
-    sizes = {}
-    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            level, size = int((d / "level").read_text()), (d / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        m = re.fullmatch(r"(\d+)([KMG]?)", size)
-        if m:
-            sizes[level] = int(m.group(1)) * {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}[m.group(2)]
-    if sizes:
-        return sizes[max(sizes)]
-    for key in ("hw.l3cachesize", "hw.l2cachesize"):
-        try:
-            out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=5).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-        if out.isdigit() and int(out) > 0:
-            return int(out)
-    return None
-
-
-def cache_line(llc_bytes: int | None, weight_bytes: float, mbu: float) -> str:
-    """The summary's sentence on the weights against the largest CPU cache, from the
-    numbers: bigger than the cache, every token streams them from memory; smaller, they
-    could stay cached, and the measured MBU (decode speed / the DRAM-bandwidth ceiling)
-    says whether they did (above 1) or not. "" where the OS gives no cache size.
+def tensor_types(gguf_path: str | Path) -> dict[str, dict[str, int]]:
+    """{storage type: {"count": tensors, "bytes": their bytes}} of a GGUF, read from its
+    tensor table (no weights are loaded): how much of a file each block type holds.
 
     Args:
-        llc_bytes: `last_level_cache_bytes()`; weight_bytes: the file's weight bytes;
-        mbu: that file's measured decode speed / its bandwidth ceiling.
+        gguf_path: a GGUF file.
     """
-    if not llc_bytes:
-        return ""
-    ratio = weight_bytes / llc_bytes
-    head = f"This CPU's largest cache is {llc_bytes / 1e6:.0f} MB; the F16 weights are {weight_bytes / 1e6:.0f} MB"
-    if ratio > 1:
-        return f"{head}, {ratio:.1f}× more, so every decoded token streams them from memory again."
-    verdict = ("above 100%: some of them stay cached" if mbu > 1 else
-               "under 100%: they are streamed from memory all the same (the cache is shared with every other "
-               "core, and on a VM with the host's other tenants; the KV cache and activations pass through it too)")
-    return f"{head} ({ratio:.0%} of it): they could fit, and F16's MBU of {mbu:.0%} is {verdict}."
-
-
-def nll_verdict(a: np.ndarray, b: np.ndarray) -> tuple[float, float, str]:
-    """(mean NLL difference a − b, its standard error, "same" / "worse" / "better"): a is
-    called worse or better than b only when the paired difference clears two standard errors."""
-    diff, se = paired_nll_difference(a, b)
-    return diff, se, "same" if abs(diff) <= 2 * se else "worse" if diff > 0 else "better"
-
-
-def same_scores_sentence(nlls: dict, a: str, b: str) -> str:
-    """Do two files score the text the same? The paired per-token NLL difference against two
-    standard errors, in words (for the F16-derived-from-Q4_1 check)."""
-    diff, se, v = nll_verdict(nlls[a], nlls[b])
-    head = (f"Per-token NLL difference {a} − {b}: {diff:+.5f} ± {2 * se:.5f} nats (2 standard errors) over "
-            f"{len(nlls[a])} tokens")
-    if v == "same":
-        return head + ": the two files score the text **the same** within two standard errors."
-    return head + f": {a} scores the text **{v}** than {b}, beyond two standard errors."
-
-
-def ladder_reading(df, reference: str = "F16") -> str:
-    """What the ladder showed, in words, from `measure_ladder`'s table: whether decode speed
-    followed the bytes, which file sat furthest below its ceiling (MBU), which files scored
-    the text worse than `reference` beyond two standard errors (paired NLL), and whether
-    greedy agreement moved where perplexity did not.
-
-    Args:
-        df: `measure_ladder` output (per-token NLLs in `df.attrs["token_nlls"]` when it scored a text).
-        reference: the file the others are compared with.
-    """
-    r = df.set_index("quant")
-    by_bytes = r.sort_values("weight_bytes", ascending=False)
-    speeds = by_bytes["decode_tok_per_s"].to_numpy(float)
-    seq = ", ".join(f"{q} {v:.0f}" for q, v in by_bytes["decode_tok_per_s"].items())
-    if len(speeds) > 1 and (np.diff(speeds) > 0).all():
-        speed = f"- **Speed vs bytes.** Decode speed rose at every step down in bytes ({seq} tok/s), as a bandwidth-bound decoder's would."
-    else:
-        speed = (f"- **Speed vs bytes.** Decode speed did not rise at every step down in bytes ({seq} tok/s, from most "
-                 "to fewest weight bytes): a purely bandwidth-bound decoder's would.")
-    lines = [speed + " One run per file, no noise band: two close speeds are not a ranking."]
-    if "mbu" in r:
-        lo, bits = r["mbu"].idxmin(), r["bits_per_weight"]
-        if lo == reference:
-            why = "per-weight conversion work, not its bytes, held it back"
-        elif bits[lo] < bits.median():
-            why = "a small file far from its ceiling is held back by per-weight arithmetic (unpacking), not by bytes"
-        else:
-            why = "not one of the small files, so unpacking small fields is not what held this run back most"
-        lines.append(f"- **MBU.** The lowest, {r['mbu'][lo]:.0%}, belongs to {lo} ({bits[lo]:.2f} bits a weight): {why}.")
-    nlls = df.attrs.get("token_nlls") or {}
-    if reference in nlls and len(nlls) > 1:
-        ladder = [q for q in r.sort_values("bits_per_weight", ascending=False).index if q != reference and q in nlls]
-        verdicts = {q: nll_verdict(nlls[q], nlls[reference]) for q in ladder}
-        parts = "; ".join(f"{q} {d:+.3f} ± {2 * se:.3f} ({v})" for q, (d, se, v) in verdicts.items())
-        worse = [q for q in ladder if verdicts[q][2] == "worse"]
-        tail = (f"the first file down the ladder that scores clearly worse is **{worse[0]}** "
-                f"({r['bits_per_weight'][worse[0]]:.2f} bits a weight)" if worse else
-                f"no file scored clearly worse than {reference} on this text")
-        lines.append(f"- **Quality.** Mean NLL per token against {reference} (± 2 SE, nats): {parts}; {tail}.")
-        early = [q for q in ladder if verdicts[q][2] == "same" and r["greedy_agreement"][q] < 1]
-        lines.append(
-            f"- **Agreement vs perplexity.** {', '.join(f'{q} ({r.greedy_agreement[q]:.0%})' for q in early)} kept "
-            f"{reference}'s perplexity within 2 SE yet changed greedy answers: agreement reacts to the first "
-            "flipped token, before perplexity moves." if early else
-            f"- **Agreement vs perplexity.** No file changed its greedy answers while keeping {reference}'s "
-            "perplexity within 2 SE: here agreement did not move before perplexity.")
-    return "\n".join(lines)
+    from gguf import GGUFReader
+    out: dict[str, dict[str, int]] = {}
+    for t in GGUFReader(str(gguf_path)).tensors:
+        e = out.setdefault(t.tensor_type.name, {"count": 0, "bytes": 0})
+        e["count"] += 1
+        e["bytes"] += int(t.n_bytes)
+    return out
 
 
 def file_bits_per_weight(qtype: str) -> float:

@@ -3,18 +3,17 @@
 user → agent → API → inference server → engine (scheduling, batching, caches) → runtime
 (llama.cpp, MLX-LM, transformers) → compute backend (CPU/CUDA/Metal) → hardware → model.
 
-`TOOLS` says which layers each well-known tool covers. `first_answers` streams one answer
-from every engine usable here (and says why not for the rest); `through_layers` sends one
-greedy request to the runtime in process and then to llama.cpp's HTTP server, so the
-learner sees what the server and API layers add to time-to-first-token. Before the
-library hides them, `raw_exchange` shows the literal HTTP request and the server-sent
-events (SSE) that come back, and `LlamaServer.argv()` the literal server command.
+`TOOLS` says which layers each well-known tool covers, and `draw_stack` draws the layers
+with the notebooks that measure each. `first_answers` streams one answer from every engine
+usable here, after a warm-up request each (and says why not for the rest): one run per
+engine, an inventory, not a ranking; `explain_first_answers` says so. What the server and
+API layers add, measured with repeats and an A/A rerun, is `lessons.plumbing` (notebook 01).
 
 `weights_read` says how many bytes of weights each engine streams per decoded token (the
 same model is 4-bit in llama.cpp but float32 in transformers), so every engine gets its
-own bandwidth ceiling. `draw_stack` draws the layers with the notebooks that measure each.
-`timed_answer` times one llama.cpp request with one setting changed (threads, prompt or
-answer length, a system message), for the exercises that predict before they measure.
+own bandwidth ceiling. `timed_answer` times one llama.cpp request with one setting changed
+(threads, prompt or answer length, a system message), for the exercises that predict
+before they measure.
 """
 from __future__ import annotations
 
@@ -25,11 +24,11 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from infercourse.core.types import Request, generate
+from infercourse.core.types import Request
 from infercourse.core.trace import record
 
-__all__ = ["LAYERS", "TOOLS", "STACK", "WALK", "tools_frame", "first_answers", "through_layers",
-           "weights_read", "raw_exchange", "draw_stack", "plot_engine_speeds", "timed_answer"]
+__all__ = ["LAYERS", "TOOLS", "STACK", "WALK", "tools_frame", "first_answers", "engine_factories",
+           "explain_first_answers", "weights_read", "draw_stack", "plot_engine_speeds", "timed_answer"]
 
 LAYERS = ["API", "server", "engine", "runtime", "backend", "model manager"]
 
@@ -100,8 +99,10 @@ def weights_read(engine, model_path: Any = None) -> tuple[float | None, str]:
 
 def first_answers(factories: dict[str, Callable[[], Any]], prompt: str, *,
                   max_tokens: int = 32, bandwidth_gbs: float | None = None) -> pd.DataFrame:
-    """Stream one greedy answer from each engine; an engine that cannot start gets a row
-    with its error (which names the layer) instead of an exception.
+    """Stream one greedy answer from each engine, after a one-token warm-up request (the
+    first call of an engine pays its page-in and set-up; llama-server warms itself up at
+    start, llama.cpp in process does not); an engine that cannot start gets a row with its
+    error (which names the layer) instead of an exception. One timed answer per engine.
 
     Args:
         factories: {label: zero-argument function that builds the engine}.
@@ -118,9 +119,10 @@ def first_answers(factories: dict[str, Callable[[], Any]], prompt: str, *,
                 if hasattr(engine, "__exit__"):  # a server that must be torn down
                     path = getattr(engine, "model_path", None)
                     engine = stack.enter_context(engine).engine()
-                row = {"engine": label, "ok": True, "why": "",
-                       **_timed(engine, Request(messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=max_tokens))}
+                msgs = [{"role": "user", "content": prompt}]
+                _timed(engine, Request(messages=msgs, max_tokens=1))   # warm-up, not timed
+                row = {"engine": label, "ok": True, "why": "", **_timed(engine, Request(messages=msgs,
+                                                                                       max_tokens=max_tokens))}
                 nbytes, fmt = weights_read(engine, path)
                 row.update(weights=fmt, weight_mb=nbytes / 1e6 if nbytes else float("nan"))
         except Exception as e:  # the row records why; the next engine still runs
@@ -131,29 +133,6 @@ def first_answers(factories: dict[str, Callable[[], Any]], prompt: str, *,
         df["ceiling_tok_per_s"] = bandwidth_gbs * 1e3 / df["weight_mb"]
         df["pct_of_ceiling"] = 100 * df["decode_tok_per_s"] / df["ceiling_tok_per_s"]
     return df
-
-
-def through_layers(prompt: str, *, max_tokens: int = 32, repeats: int = 3, n_threads: int = 1,
-                   model=None) -> pd.DataFrame:
-    """The same greedy request through llama.cpp in process, then through llama-server
-    (HTTP + JSON + SSE + the server's scheduler) on the same model, threads and flags.
-    Prefix caching is off so every request pays the full prompt. One row per request.
-    """
-    from infercourse.engines.llamacpp import LlamaCppEngine
-    from infercourse.servers import LlamaServer
-    req = Request(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                  cache_prompt=False)
-    rows = []
-    runtime = LlamaCppEngine(model, n_threads=n_threads, n_ctx=2048)
-    _timed(runtime, req)  # warm-up: first call pays page-in of the weights
-    rows += [{"layer": "runtime (llama.cpp in process)", **_timed(runtime, req)} for _ in range(repeats)]
-    del runtime
-    with LlamaServer(model, n_parallel=1, ctx_size=2048, threads=n_threads) as server:
-        http = server.engine()
-        _timed(http, req)
-        rows += [{"layer": "server + API (llama-server over HTTP)", **_timed(http, req)}
-                 for _ in range(repeats)]
-    return pd.DataFrame(rows)
 
 
 def timed_answer(prompt: str | None = None, *, n_prompt_tokens: int | None = None,
@@ -206,9 +185,14 @@ def engine_factories(names: list[str], *, model=None, n_threads: int = 1,
         from infercourse.servers import LlamaServer
         return LlamaServer(model, n_parallel=1, ctx_size=2048, threads=n_threads)
 
+    def transformers():
+        from infercourse.models.quiet import quiet
+        quiet()   # its "Loading weights" bar would sit frozen at 0/272 in an executed notebook
+        return make_engine("transformers", model=model, n_threads=n_threads)
+
     builders = {
         "llamacpp": lambda: make_engine("llamacpp", model=model, n_threads=n_threads),
-        "transformers": lambda: make_engine("transformers", model=model, n_threads=n_threads),
+        "transformers": transformers,
         "mlx": lambda: make_engine("mlx", model=None if model is None else model),
         "llama-server": server,
         "ollama": lambda: make_engine("ollama", model=ollama_model),
@@ -219,9 +203,17 @@ def engine_factories(names: list[str], *, model=None, n_threads: int = 1,
     return {n: builders[n] for n in names}
 
 
-def explain_first_answers(answers: pd.DataFrame) -> str:
+def explain_first_answers(answers: pd.DataFrame, same_runtime: tuple[str, str] = ("llamacpp", "llama-server")) -> str:
     """Sentences computed from the measured table (so no number in the prose is typed in):
-    fastest and slowest engine, each against its own ceiling (`first_answers(bandwidth_gbs=)`)."""
+    the highest and lowest decode rate of this run, each against its own ceiling
+    (`first_answers(bandwidth_gbs=)`), said as one run per engine: an inventory, never a
+    ranking; and, where both ran, the two engines around the same runtime side by side.
+
+    Args:
+        answers: `first_answers` output.
+        same_runtime: two engines running the same runtime code (their gap is the layers
+            around it plus noise, which one run cannot separate).
+    """
     ok = answers[answers["ok"]]
     if ok.empty:
         return "No engine could run here: see the `why` column."
@@ -232,105 +224,22 @@ def explain_first_answers(answers: pd.DataFrame) -> str:
             return "its bytes per token are unknown here, so no ceiling"
         return (f"{row['pct_of_ceiling']:.0f}% of its own {row['ceiling_tok_per_s']:.0f} tok/s ceiling "
                 f"({row['weight_mb']:.0f} MB of {row['weights']} weights per token)")
-    best, worst = ok["decode_tok_per_s"].idxmax(), ok["decode_tok_per_s"].idxmin()
-    lines = [f"- Fastest decode: **{best}** at {ok.loc[best, 'decode_tok_per_s']:.1f} tok/s, {vs_ceiling(best)}.",
-             f"- Slowest: **{worst}** at {ok.loc[worst, 'decode_tok_per_s']:.1f} tok/s "
-             f"({ok.loc[best, 'decode_tok_per_s'] / ok.loc[worst, 'decode_tok_per_s']:.1f}× slower), "
-             f"{vs_ceiling(worst)}."]
+    rate = ok["decode_tok_per_s"]
+    hi, lo = rate.idxmax(), rate.idxmin()
+    lines = [f"- Highest decode rate of this run: **{hi}** at {rate[hi]:.1f} tok/s, {vs_ceiling(hi)}."]
+    if lo != hi:
+        lines.append(f"- Lowest: **{lo}** at {rate[lo]:.1f} tok/s ({rate[hi] / rate[lo]:.1f}× below), {vs_ceiling(lo)}.")
+    lines.append(f"- One timed answer per engine ({len(ok)} engines), after a warm-up each: an inventory, not a "
+                 "ranking; a gap between two engines that read the same bytes is as likely noise as a cost.")
+    a, b = same_runtime
+    if a in ok.index and b in ok.index:
+        lines.append(f"- {a} and {b} run the same llama.cpp code on the same file: {rate[a]:.1f} vs {rate[b]:.1f} "
+                     f"tok/s decode, {1e3 * ok.loc[a, 'ttft_s']:.1f} vs {1e3 * ok.loc[b, 'ttft_s']:.1f} ms TTFT here. "
+                     "One run each cannot tell what the layers around the runtime add from noise; notebook 01 "
+                     "measures it with repeats against an A/A rerun.")
     for name, row in answers[~answers["ok"]].iterrows():
         lines.append(f"- **{name}** did not run: {row['why'][:200]}")
     return "\n".join(lines)
-
-
-def chat_template_view(engine, prompt: str, *, max_tokens: int = 24) -> dict[str, Any]:
-    """What the API layer adds before the runtime sees anything: the chat template.
-
-    Returns the templated text, token counts with and without it, and the greedy answers
-    to the raw prompt and to the templated one (an instruct model fed raw text often
-    stops at once or rambles: the template is part of the model's contract).
-    """
-    chat = Request(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                   cache_prompt=False)
-    raw = Request(prompt=prompt, max_tokens=max_tokens, cache_prompt=False)
-    raw_c, chat_c = generate(engine, raw), generate(engine, chat)
-    return {"templated_text": engine.format_prompt(chat),
-            "raw_tokens": raw_c.usage.prompt_tokens, "chat_tokens": chat_c.usage.prompt_tokens,
-            "raw_answer": raw_c.text, "raw_finish": raw_c.finish_reason,
-            "raw_completion_tokens": raw_c.usage.completion_tokens,
-            "chat_answer": chat_c.text, "chat_completion_tokens": chat_c.usage.completion_tokens}
-
-
-def layer_overheads(df: pd.DataFrame) -> pd.DataFrame:
-    """Median TTFT / decode speed / E2E per layer, and what each adds over the runtime."""
-    med = df.groupby("layer", sort=False)[["ttft_s", "decode_tok_per_s", "e2e_s"]].median()
-    med["ttft_added_ms"] = 1000 * (med["ttft_s"] - med["ttft_s"].iloc[0])
-    return med
-
-
-def explain_layers(df: pd.DataFrame, floor_ms: float | None = None) -> str:
-    """The Explain sentences for `through_layers`, computed: what the server and API layers
-    added to median TTFT, compared with the runtime's own run-to-run spread (so a
-    difference smaller than the noise is called that, not a speed-up or a cost), whether
-    that plumbing or the runtime's own time was the larger part, and (with `floor_ms`, the
-    roofline's compute floor) where the runtime's TTFT sits against the floor."""
-    med = layer_overheads(df)
-    runtime, served = med.index[0], med.index[-1]
-    added_ms = float(med.loc[served, "ttft_added_ms"])
-    runtime_ms = 1000 * float(med.loc[runtime, "ttft_s"])
-    base = df[df["layer"] == runtime]["ttft_s"]
-    spread_ms = 1000 * float(base.max() - base.min())
-    verdict = (f"adds **{added_ms:.1f} ms**" if abs(added_ms) > spread_ms else
-               f"adds no cost we can separate from noise here ({added_ms:+.1f} ms, while the "
-               f"runtime's own TTFT varied by {spread_ms:.1f} ms between repeats)")
-    out = (f"Going through the server and API {verdict} to the median time to first token "
-           f"(runtime alone: {runtime_ms:.0f} ms). Decode speed: "
-           f"{med.loc[runtime, 'decode_tok_per_s']:.0f} tok/s in process vs "
-           f"{med.loc[served, 'decode_tok_per_s']:.0f} tok/s through the server.")
-    if added_ms < runtime_ms:
-        out += (f"\n\nHere the runtime's own work ({runtime_ms:.0f} ms) was the larger part of TTFT, "
-                f"the plumbing the smaller: a slow served model on loopback points below the server first.")
-    else:
-        out += (f"\n\nHere the plumbing ({added_ms:.0f} ms) was not smaller than the runtime's own work "
-                f"({runtime_ms:.0f} ms): on this machine the server layer is worth a look before the engine.")
-    if floor_ms is not None and floor_ms > 0:
-        ratio = runtime_ms / floor_ms
-        out += (f" The runtime's median TTFT is **{ratio:.1f}×** the compute floor ({floor_ms:.1f} ms)"
-                + (": the floor counts only the matrix multiplies, and the rest of the gap is what it leaves out."
-                   if ratio >= 1 else
-                   ": below it, so the engine's kernels beat the plain float32 matmul the floor was measured with."))
-    return out
-
-
-def raw_exchange(url: str, prompt: str, *, max_tokens: int = 8, model: str = "any") -> dict[str, Any]:
-    """One streamed chat request sent by hand: the literal HTTP request and every line
-    of the server-sent events (SSE) stream that comes back, before any library parses them
-    (`events`: each `data:` JSON; `texts`: the text each one carried).
-
-    Args:
-        url: the server's root, e.g. `LlamaServer(...).url` (loopback).
-        prompt: the user message.
-        max_tokens: tokens to stream (each arrives as one `data: {...}` event).
-        model: the `model` field (llama-server serves one model and accepts any name).
-    """
-    import httpx
-    from infercourse.core.errors import APILayerError
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    payload = json.dumps(body)
-    host = url.split("://", 1)[-1].rstrip("/")
-    request = (f"POST /v1/chat/completions HTTP/1.1\nHost: {host}\nContent-Type: application/json\n"
-               f"Content-Length: {len(payload)}\n\n{payload}")
-    try:
-        with httpx.stream("POST", url.rstrip("/") + "/v1/chat/completions", content=payload,
-                          headers={"Content-Type": "application/json"}, timeout=60) as r:
-            lines = list(r.iter_lines())
-    except httpx.HTTPError as e:
-        raise APILayerError(f"raw request to {url} failed: {e}") from e
-    events = [json.loads(line[5:]) for line in lines
-              if line.startswith("data:") and line[5:].strip() != "[DONE]"]
-    texts = [((e.get("choices") or [{}])[0].get("delta") or {}).get("content") or "" for e in events]
-    return {"request": request, "status": r.status_code, "content_type": r.headers.get("content-type", ""),
-            "lines": lines, "events": events, "texts": texts}
 
 
 # Which notebooks measure each layer (top to bottom), and the tools that fill the layer; WALK
@@ -400,5 +309,6 @@ def plot_engine_speeds(answers: pd.DataFrame, ax=None):
     if "ceiling_tok_per_s" in ok:
         ax.scatter(ok["ceiling_tok_per_s"], list(map(str, ok.index)), marker="|", s=400, color="k",
                    label="its bandwidth ceiling (bytes it reads per token)", zorder=3)
-        ax.legend(loc="lower right")
+        # outside the axes, so the legend never covers a bar
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return ax

