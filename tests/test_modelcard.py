@@ -147,3 +147,38 @@ def test_mlx_quantized_card_counts_unpacked_params(mlx_q4_dir):
     assert card.n_params == 134_515_008
     # 4 bits + one scale and one bias per 64 weights (16 or 32 bits each), norms in float
     assert 4.4 < card.bits_per_weight < 5.2
+
+
+def test_a_gguf_header_is_read_without_the_vocabulary_and_agrees_with_gguf():
+    """models.gguf_header walks the header and skips long arrays; it must agree with llama.cpp's
+    own reader on every scalar field and every tensor."""
+    import gguf
+
+    from infercourse.models.embedded import embedded_gguf
+    from infercourse.models.gguf_header import read_header
+    meta, tensors = read_header(embedded_gguf())
+    r = gguf.GGUFReader(str(embedded_gguf()))
+    assert [t["name"] for t in tensors] == [t.name for t in r.tensors]
+    assert [t["n_bytes"] for t in tensors] == [int(t.n_bytes) for t in r.tensors]
+    assert meta["tokenizer.ggml.tokens"] == {"array_of": 8, "length": len(r.fields["tokenizer.ggml.tokens"].data)}
+    for k, f in r.fields.items():
+        if not isinstance(meta.get(k), dict) and k in meta and f.types and f.types[0] != gguf.GGUFValueType.ARRAY:
+            assert meta[k] == pytest.approx(f.contents()), k
+
+
+def test_the_card_names_a_sliding_window_only_where_one_is_used(tmp_path):
+    import json as _json
+
+    from infercourse.models.modelcard import _folder_card
+    from infercourse.models.embedded import embedded_gguf
+    from infercourse.models.modelcard import model_card
+    assert model_card(embedded_gguf()).sliding_window is None
+    cfg = {"num_attention_heads": 2, "hidden_size": 8, "num_hidden_layers": 1, "vocab_size": 4,
+           "sliding_window": 4096, "use_sliding_window": False}
+    (tmp_path / "config.json").write_text(_json.dumps(cfg))
+    import safetensors.numpy as stn
+    import numpy as np
+    stn.save_file({"w": np.zeros((2, 2), np.float32)}, str(tmp_path / "model.safetensors"))
+    assert _folder_card(tmp_path, "hf")["sliding_window"] is None
+    (tmp_path / "config.json").write_text(_json.dumps({**cfg, "use_sliding_window": True}))
+    assert _folder_card(tmp_path, "hf")["sliding_window"] == 4096

@@ -6,17 +6,20 @@ So the card counts parameters from tensor shapes and bytes from tensor sizes, an
 *measured* bits per weight (8 x weight bytes / parameters): a "Q4_K_M" file of a model
 whose rows are not multiples of 256 falls back to bigger types and is really ~6 bits.
 
-Readers: GGUF headers with the `gguf` package (llama.cpp's own reader; it memory-maps and
-reads no weights), HF and MLX folders from config.json plus safetensors headers.
+Readers: GGUF headers with `models.gguf_header` (the layout of llama.cpp's own `gguf` package,
+read without decoding the vocabulary, so a 262k-token model's card costs the same as any),
+HF and MLX folders from config.json plus safetensors headers.
 """
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from infercourse.core.errors import BackendMissingError, ModelLayerError
 from infercourse.models.embedded import file_sha256, resolve_model
+from infercourse.models.gguf_header import read_header
 
 __all__ = ["ModelCard", "model_card"]
 
@@ -52,6 +55,7 @@ class ModelCard:
     quantization: str         # the file's own name for it, e.g. "Q4_1", "F32", "MLX 4-bit g64"
     bits_per_weight: float    # measured: 8 * tensor_bytes / n_params
     sha256: str
+    sliding_window: int | None = None   # tokens a local attention layer sees (None: full attention)
 
     def kv_bytes_per_token(self, dtype_bytes: float = 2) -> float:
         """KV-cache bytes one token adds: K and V, for every layer and KV head.
@@ -105,14 +109,12 @@ def _gguf_card(path: Path) -> dict:
         raise BackendMissingError("the `gguf` package (llama.cpp's GGUF reader) is not installed",
                                   hint="pip install gguf") from e
     try:
-        reader = gguf.GGUFReader(path)
-        meta = {k: _field_value(f) for k, f in reader.fields.items()
-                if not k.startswith("tokenizer.ggml.")}
-        n_params = sum(int(t.n_elements) for t in reader.tensors)
-        tensor_bytes = sum(int(t.n_bytes) for t in reader.tensors)
-        n_vocab_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) \
-            if "tokenizer.ggml.tokens" in reader.fields else None
-    except (ValueError, IndexError, KeyError, OSError) as e:
+        meta, tensors = read_header(path)
+        n_params = sum(t["n_elements"] for t in tensors)
+        tensor_bytes = sum(t["n_bytes"] for t in tensors)
+        tokens = meta.get("tokenizer.ggml.tokens")
+        n_vocab_tokens = (tokens["length"] if isinstance(tokens, dict) else len(tokens)) if tokens else None
+    except (ValueError, IndexError, KeyError, OSError, struct.error) as e:
         raise ModelLayerError(f"{path} is not a readable GGUF file: {e}",
                               hint="it may be truncated; re-derive or re-download it") from e
     arch = meta.get("general.architecture")
@@ -139,15 +141,9 @@ def _gguf_card(path: Path) -> dict:
         vocab_size=int(get("vocab_size", n_vocab_tokens or 0)),
         context_length=int(get("context_length", 0)),
         rope_theta=float(rope) if rope is not None else None,
+        sliding_window=int(get("attention.sliding_window")) if get("attention.sliding_window") else None,
         tensor_bytes=tensor_bytes, quantization=qname,
         bits_per_weight=8 * tensor_bytes / n_params)
-
-
-def _field_value(field):
-    try:
-        return field.contents()
-    except Exception:  # exotic array types we do not need
-        return None
 
 
 def _folder_card(folder: Path, kind: str) -> dict:
@@ -191,6 +187,9 @@ def _folder_card(folder: Path, kind: str) -> dict:
         vocab_size=int(text["vocab_size"]),
         context_length=int(text.get("max_position_embeddings", 0)),
         rope_theta=float(rope) if rope is not None else None,
+        # Qwen2-style configs name a window they do not use (use_sliding_window false)
+        sliding_window=int(text["sliding_window"]) if text.get("sliding_window") and text.get(
+            "use_sliding_window", True) else None,
         tensor_bytes=tensor_bytes, quantization=qname,
         bits_per_weight=8 * tensor_bytes / n_params)
 
