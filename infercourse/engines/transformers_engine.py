@@ -76,6 +76,8 @@ class TransformersEngine:
         if n_threads:
             torch.set_num_threads(n_threads)
         self.device, self.use_cache = device, use_cache
+        from infercourse.models.quiet import quiet
+        quiet()    # the "Loading weights" bar an executed notebook keeps frozen at its first frame
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(ref.path)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             ref.path, dtype=getattr(torch, dtype)).to(device).eval()
