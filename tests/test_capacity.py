@@ -5,6 +5,7 @@ sentences notebooks 16 and 21 write from their runs (issue 26), fed synthetic re
 way: they flip when the numbers flip, and say "within noise" / "cannot" where the numbers
 allow no verdict."""
 import math
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -284,3 +285,80 @@ def test_the_exercises_run_nothing_until_a_guess_is_written(capsys, monkeypatch)
     assert missing["measured"] is None and missing["predicted"] == pytest.approx(3.5)
     assert "did not run" in missing["text"]
     assert capstone.ratio_exercise(1.2, base, base, "D")["measured"] is None
+
+
+# ---- notebook 16: one capacity model for one replica, for pools, and for the team (issue 31) ---------
+def test_the_pool_model_with_every_call_on_one_model_is_the_one_replica_prediction():
+    """16 gave two answers for one team: the pools used the serial formula (no slots, no
+    batching gain). Fed predict_capacity's inputs, one pool holding every call must give
+    predict_capacity's throughput limit, and its KV limit caps it the same way."""
+    one = _one(service_s=1.0, think_s=0.5)
+    row = capacity.predict_capacity(one, slots=2, slot_ctx=4096, kv_bytes_per_token=1, gain=1.8)
+    pools = capacity.pools_from_prediction(row, {"main": 1.0}, {"main": 1.0})
+    assert pools.loc["main", "throughput_limit"] == pytest.approx(row["throughput_limit"])
+    assert pools.loc["main", "per_replica"] == pytest.approx(row["predicted"])
+    split = capacity.pools_from_prediction({**row, "kv_limit": 99}, {"main": 1.0, "fast": 0.5},
+                                           {"main": 0.8, "fast": 0.2})
+    cycle = 0.5 + (0.8 * 1.0 + 0.2 * 0.5) * 2 / 1.8                # think + loaded call times
+    assert split.loc["main", "cycle_s"] == pytest.approx(cycle)
+    assert split.loc["main", "throughput_limit"] == pytest.approx(0.7 * 1.8 * cycle / 0.8)
+    assert split.loc["fast", "throughput_limit"] == pytest.approx(0.7 * 1.8 * cycle / (0.2 * 0.5))
+    assert math.isinf(split.loc["fast", "kv_limit"])
+    assert capacity.service_ratios({"main": 0.4, "fast": 0.1}) == {"main": 1.0, "fast": 0.25}
+
+
+def _pools(row, fast_ratio=0.5):
+    return capacity.pools_from_prediction(row, {"main": 1.0, "fast": fast_ratio}, {"main": 0.8, "fast": 0.2})
+
+
+def test_team_text_gives_one_answer_and_says_how_far_the_sweep_trusts_it():
+    counts = [1, 2, 3, 4]
+    row = {**_row(1.5, 3), "kv_limit": 9.0, "think_s": 2.0, "service_s": 1.0, "gain": 1.0, "slots": 2}
+    text = capacity.team_text(row, _pools(row), 20, counts)
+    assert text.startswith("One capacity model for a team of 20") and "predicts 1.5 sessions per replica" in text
+    assert "so 14 replica(s)" in text and "20% of the calls on fast (calls 0.5× as long)" in text
+    assert re.search(r"\bconservative\b", text) and "2× the one-model prediction" in text
+    assert not re.search(r"\boptimistic\b", text)
+    agree = capacity.team_text({**row, "predicted": 3.2}, _pools(row), 20, counts)
+    assert "in agreement, so these counts stand" in agree and not re.search(r"\bconservative\b", agree)
+    high = capacity.team_text({**row, "predicted": 4.5, "measured": 2}, _pools(row), 20, counts)
+    assert re.search(r"\boptimistic\b", high) and "missed the SLO at 3" in high
+    none = capacity.team_text({**row, "measured": 0}, _pools(row), 20, counts)
+    assert "met the SLO at no count tried" in none
+    pools = _pools(row)
+    total = sum(capacity.replicas_for(20, r["per_replica"]) for _, r in pools.iterrows())
+    assert f"{total} in all" in text
+
+
+def test_knee_guess_text_scores_against_the_mechanism_and_the_run(capsys):
+    k = {"sessions_at_knee": 2, "first_evicting": 3}
+    none = capacity.knee_guess_text(None, k, 2, name="MY_GUESS_KNEE_OFF")
+    assert none.startswith("Not answered yet") and "MY_GUESS_KNEE_OFF" in none and "2" not in none.split("set")[0]
+    right = capacity.knee_guess_text(2, k, 2)
+    assert "consistent with it" in right and "the KV limit (slots, plus what the RAM cache holds) says 2" in right
+    high = capacity.knee_guess_text(5, k, 2)
+    assert re.search(r"\babove it\b", high) and "consistent" not in high
+    low = capacity.knee_guess_text(1, k, 2)
+    assert re.search(r"\bbelow it\b", low)
+    open_ = capacity.knee_guess_text(12, {"sessions_at_knee": 4, "first_evicting": None}, 13)
+    assert "at least 4" in open_ and "consistent with it" in open_ and "closer to the KV limit" in open_
+
+
+def test_the_knee_plot_shows_what_the_capacity_is_judged_on():
+    """16's plot showed a TTFT p95 of every turn (cold first turns included, p95 of 4 turns)
+    while capacity is judged on the share of later turns within the SLO at 90 %."""
+    import matplotlib
+    matplotlib.use("Agg")
+    table = _table([_run(1), _run(2), _run(3, ttft_s=3.0)])
+    a, b = capacity.plot_knee({"off": table}, 2)
+    ys = [list(line.get_ydata()) for line in b.get_lines()]
+    assert [1.0, 1.0, 0.0] in ys and any(y == [capacity.MIN_GOOD] * 2 for y in ys)
+    assert "within the TTFT SLO" in b.get_ylabel() and "p95" not in b.get_ylabel()
+    assert [t.get_text() for t in b.texts] == ["3", "6", "9"]          # turns judged per count
+
+
+def test_session_tables_give_no_p95_from_a_handful_of_turns():
+    s = sessions_summary(_run(4), {"ttft_s": 2.0})
+    assert math.isnan(s["ttft_p95_s"]) and s["ttft_p50_s"] == 0.5 and s["turns_judged_later"] == 12
+    big = sessions_summary(_run(24), {"ttft_s": 2.0})                   # 96 turns: a p95 has its interval
+    assert big["ttft_p95_s"] == pytest.approx(0.5)

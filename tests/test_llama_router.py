@@ -207,7 +207,8 @@ def test_router_replicas_behind_sglang_route_by_model_on_each_replica():
     from infercourse.servers.router import router_installed
     if not router_installed("sglang"):
         pytest.skip("sglang-router is not installed (pip install 'infercourse[router]')")
-    g = lr.RouterReplicas(_presets(), 2, policy="round_robin", models_max=2, **KW)
+    from infercourse.servers.router import RouterReplicas
+    g = RouterReplicas(_presets(), 2, policy="round_robin", models_max=2, **KW)
     with g:
         for m in ("claude-haiku-4-5", "claude-sonnet-4-6", "claude-haiku-4-5", "claude-sonnet-4-6"):
             assert record(g.engine(m), Request(prompt="hi", max_tokens=3)).status == "ok"
@@ -261,8 +262,10 @@ def test_sleep_trials_wait_for_sleep_then_wake_the_model():
 
 
 def test_killed_instance_keeps_the_router_and_the_other_model():
-    from infercourse.lessons.model_routing import killed_instance
+    from infercourse.lessons.model_failover import killed_instance, killed_text
     s = killed_instance(_presets(), model="main", n_after=2, **KW)
     assert s["killed_pid"] and s["router_up"] and s["kept"] == ["fast"]
+    assert s["signal"] == "SIGKILL" and s["router_failed"] and s["router_exit_code"] not in (None, 0)
+    assert f"exit code {s['router_exit_code']}" in killed_text(s).splitlines()[0]   # what the router said
     assert "main" in s["router_said"] and s["next_found"] == "unloaded"
     assert s["after_ok"] == 2 and s["status_now"] == "loaded"

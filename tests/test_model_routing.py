@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from infercourse.lessons import capacity
+from infercourse.lessons import model_failover as mf
 from infercourse.lessons import model_routing as mr
 
 # per-block jitter, so that the A/A rerun is not identical to A (a real floor, not zero)
@@ -101,8 +102,8 @@ def test_sleep_text_flips_with_the_verdict_and_the_memory():
     assert "did not clear the A/A floor" in flat
 
 
-def _mix(a_s, b_s):
-    return _trials(mr.MIX_ARMS, a_s, b_s, per_trial=3,
+def _mix(a_s, b_s, per_trial=72):
+    return _trials(mr.MIX_ARMS, a_s, b_s, per_trial=per_trial,
                    extra=lambda arm: {"model": "main", "models_max": 1 if arm == "models_max 1" else 2})
 
 
@@ -112,6 +113,27 @@ def test_mixed_text_judges_p50_and_p95_and_flips():
     better = mr.mixed_text(_mix(1.5, 0.3))
     assert better.count("**Swapping came out faster**") == 2 and "Both resident" not in better
     assert mr.mixed_text(_mix(0.3, 0.3)).count("No difference beyond the A/A floor") == 2
+
+
+def test_mixed_text_judges_no_p95_from_ten_requests_a_trial():
+    """16 printed "TTFT p95 (median over trials)" from 10 requests per trial: the p95 of 10 is
+    their maximum. Below the 72 a p95's interval needs, the p95 line says n too small."""
+    few = mr.mixed_text(_mix(0.3, 1.5, per_trial=10))
+    assert few.count("**Both resident beat swapping**") == 1 and "the mix's TTFT p50" in few
+    assert "n too small for a p95" in few and "as few as 10 ok request(s)" in few and "needs 72" in few
+    two = mr.mixed_text(_mix(0.3, 1.5, per_trial=10).query("block < 2"))     # 2 blocks: no verdict, one "the"
+    assert "**No verdict on the mix's TTFT p50" in two and "the the" not in two
+    df = _mix(0.3, 1.5, per_trial=72)
+    df.loc[df.index[-1], "status"] = "error"                      # one trial down to 71 ok requests
+    assert "n too small for a p95" in mr.mixed_text(df)
+    col = "ttft_s_p95 (NaN: n < 72)"
+
+    def table(per_trial):
+        df = _mix(0.3, 1.5, per_trial=per_trial)
+        return mr.mixed_table(df.assign(scheduled_t=0.0, end_t=1.0, output_tokens=8, prompt_tokens=10))
+    few_t = table(10)                                                 # 60 pooled requests an arm
+    assert few_t[col].isna().all() and "ttft_s_p95" not in few_t.columns and few_t["ttft_s_p50"].notna().all()
+    assert table(12)[col].notna().all()                               # 72 pooled: a p95 with its interval
 
 
 def test_service_by_model_reads_the_resident_arm_only():
@@ -148,11 +170,12 @@ def test_load_times_reads_each_childs_own_clock_and_follows_a_reused_port():
 
 
 def _story(**kw):
-    base = {"model": "main", "killed_pid": 1, "in_flight_status": "error", "in_flight_tokens": 4,
+    base = {"model": "main", "killed_pid": 1, "signal": "SIGKILL", "signal_number": 9, "router_failed": True,
+            "router_exit_code": 1, "in_flight_status": "error", "in_flight_tokens": 4,
             "in_flight_error": "stream ended without message_stop", "router_said": "instance(s) died: main",
             "router_up": True, "kept": ["fast"], "next_found": "unloaded", "resident_ttft_s": 0.1,
             "after_ttft_s": [1.7, 0.2], "after_ok": 2, "status_now": "loaded"}
-    return mr.killed_text({**base, **kw})
+    return mf.killed_text({**base, **kw})
 
 
 def test_killed_text_follows_what_happened():
@@ -166,14 +189,27 @@ def test_killed_text_follows_what_happened():
     assert "ended **ok**" in other
 
 
+def test_the_kill_drill_says_what_the_router_reported_not_what_a_kill_would():
+    """16 said the child was SIGKILLed "as the OOM killer would" while the router reported exit
+    code 1 (18's supervisor reports -9): the line is written from the router's own row."""
+    one = _story().splitlines()[0]
+    assert "sent SIGKILL (signal 9)" in one and "**exit code 1**, not the signal" in one and "reads as a crash" in one
+    nine = _story(router_exit_code=-9).splitlines()[0]
+    assert "exit code -9: the signal's own number" in nine and "not the signal" not in nine
+    assert "exit code 137: the signal's own number" in _story(router_exit_code=137)
+    quiet = _story(router_failed=False, router_exit_code=0).splitlines()[0]
+    assert "did **not** mark it failed" in quiet and "exit code 0" in quiet
+    assert "with no exit code" in _story(router_exit_code=None)
+
+
 def test_router_notes_label_each_observation_with_versions():
-    seen = {pkg: v for pkg, (v, _) in mr.OBSERVED_ROUTERS.items()}
-    same = mr.router_notes(seen)
+    seen = {pkg: v for pkg, (v, _) in mf.OBSERVED_ROUTERS.items()}
+    same = mf.router_notes(seen)
     assert all(f"**{pkg} {v}** (the version installed here)" in same for pkg, v in seen.items())
-    newer = mr.router_notes({"sglang-router": "9.9.9"})
+    newer = mf.router_notes({"sglang-router": "9.9.9"})
     assert "installed here: 9.9.9, so it may no longer hold" in newer
     assert "vllm-router 0.1.17** (not installed here)" in newer
-    assert set(mr.router_versions()) == set(mr.OBSERVED_ROUTERS)
+    assert set(mf.router_versions()) == set(mf.OBSERVED_ROUTERS)
 
 
 def test_pool_capacity_by_hand_and_the_team_table():

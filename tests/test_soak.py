@@ -173,7 +173,7 @@ def test_crash_drill_after_n_answers(server, tmp_path):
     assert 0 < r.summary["drill_at_s"] <= crash["t_s"]                # the drill fired, and said when
     first_life = r.df[r.df["round"] == 0]
     assert (first_life["status"] == "ok").sum() == 2                  # killed right after the 2nd answer
-    from infercourse.lessons.stability import crash_split, drill_cost
+    from infercourse.lessons.crash_drill import crash_split, drill_cost
     split = crash_split(r)                                            # the drill is planned, not a crash rate
     assert split["planned"] == 1 and split["unplanned"] == 0
     assert drill_cost(r) == int((first_life["status"] == "error").sum())   # one user: its request in flight
@@ -196,3 +196,51 @@ def test_soak_summary_names_crash_rate_error_rate_and_uptime_with_units():
     line = headline(s)
     assert "crash rate 10 /h" in line and "error rate 33.3 % of 3 requests" in line and "uptime 75.0 %" in line
     assert math.isnan(soak_summary(df, samples, [], 360.0)["drill_at_s"])      # no drill: said, not assumed
+
+
+class _Watch:
+    """A stand-in async engine that notes, as each request starts, which requests are still in
+    flight (events, not timings: each request yields to the loop a few times before it ends)."""
+
+    def __init__(self):
+        self.in_flight, self.overlaps = set(), []
+
+    async def astream(self, request, client=None):
+        import asyncio
+
+        from infercourse.core.types import Event
+        user, call = request.prompt.split("-")
+        earlier = {p for p in self.in_flight if p.startswith(user + "-") and int(p.split("c")[-1]) < int(call[1:])}
+        self.overlaps += [(p, request.prompt) for p in earlier]
+        self.in_flight.add(request.prompt)
+        for _ in range(3 + int(call[1:])):                 # later calls are longer, as an agent's are
+            await asyncio.sleep(0)
+        self.in_flight.discard(request.prompt)
+        yield Event(t=time.perf_counter(), text="x", n_tokens=1)
+        yield Event(t=time.perf_counter(), done=True)
+
+
+def _closed_loop(layout, lanes, users=2, n_calls=3, user=lambda i, users: i % users):
+    from infercourse.measure import loadgen
+    n = users * n_calls * 2                                 # each user runs the workload twice
+    reqs = [Request(prompt=f"u{user(i, users)}-c{layout(i, n_calls, users)}") for i in range(n)]
+    eng, sink = _Watch(), type("Sink", (), {"submit": lambda self, tr: None})()
+    st = loadgen.State(sink, None)
+    loadgen.loop_in_thread(lambda: loadgen.run_async(eng, reqs, None, users, 256, None, [], st, None,
+                                                     [{}] * n, lanes=lanes))
+    return eng, st
+
+
+def test_each_soak_user_sends_its_session_in_order():
+    """15: the closed loop handed one recorded session's calls to two workers from one list, so
+    call k + 1 went out while call k still prefilled (its prefix could not be cached yet). Each
+    user now runs the workload as one session: no call of a user starts while its earlier one
+    is in flight."""
+    eng, st = _closed_loop(soak.user_position, lanes=True)
+    assert not eng.overlaps and len(st.traces) == 12 and all(t.status == "ok" for t in st.traces)
+    for user, calls in ((0, [0, 1, 2, 0, 1, 2]), (1, [1, 2, 0, 1, 2, 0])):   # in order, out of phase
+        mine = sorted(t.request_id for t in st.traces if t.request_id % 2 == user)
+        assert [soak.user_position(i, 3, 2) for i in mine] == calls
+    # the old way: one session's list (c0 c1 c2 c0 ...) through one queue, two workers
+    shared, _ = _closed_loop(lambda i, n, users: i % n, lanes=False, user=lambda i, users: 0)
+    assert ("u0-c0", "u0-c1") in shared.overlaps                           # call 1 sent while call 0 ran

@@ -1,9 +1,11 @@
-"""Notebook 15's library: reading a soak (hit rate by context, drift in words, the plots)."""
+"""Notebook 15's library: reading a soak (hit rate by context, drift in words, the plots, the drill)."""
+import re
+
 import matplotlib
 import numpy as np
 import pandas as pd
 
-from infercourse.lessons import stability
+from infercourse.lessons import crash_drill, stability
 from infercourse.ops.soak import SoakResult
 
 matplotlib.use("Agg")
@@ -60,19 +62,19 @@ def test_drift_is_projected_to_a_day_only_from_a_long_enough_soak():
 
 def test_the_drill_is_counted_apart_from_unplanned_crashes():
     r = _result()
-    assert stability.crash_split(r) == {"planned": 1, "unplanned": 0, "drill_errors": 1, "other_errors": 0}
-    line = stability.headline(r)
+    assert crash_drill.crash_split(r) == {"planned": 1, "unplanned": 0, "drill_errors": 1, "other_errors": 0}
+    line = crash_drill.headline(r)
     assert line.startswith("0 unplanned crashes in 0.00556 h") and "up to 540 /h is not ruled out" in line
     assert "1 planned kill(s) not counted" in line and "error rate 0.0 % of 3 requests outside the drill" in line
     assert "1 cut by the drill" in line and "(the drill's restart included)" in line
     late = _result()                                 # a drill that fired as the window closed: no restart to include
     late.events = late.events[:2]
-    line = stability.headline(late)
+    line = crash_drill.headline(late)
     assert "1 planned kill(s) not counted" in line and "restart included" not in line
     # the same crash without a drill is unplanned: counted as a rate, its error too
     r.events = [e for e in r.events if e["event"] != "drill_kill"]
-    assert stability.crash_split(r) == {"planned": 0, "unplanned": 1, "drill_errors": 0, "other_errors": 1}
-    line = stability.headline(r)
+    assert crash_drill.crash_split(r) == {"planned": 0, "unplanned": 1, "drill_errors": 0, "other_errors": 1}
+    line = crash_drill.headline(r)
     assert line.startswith("1 unplanned crash(es) in 0.00556 h (180 /h)") and "planned kill" not in line
     assert "error rate 25.0 % of 4 requests" in line and "restart included" not in line
 
@@ -80,7 +82,7 @@ def test_the_drill_is_counted_apart_from_unplanned_crashes():
 def test_an_error_before_the_drill_is_not_the_drills():
     r = _result()
     r.df.loc[2, "end_t"] = 100.9                 # failed before the last answer of that server life
-    assert stability.drill_cost(r) == 0 and stability.crash_split(r)["other_errors"] == 1
+    assert crash_drill.drill_cost(r) == 0 and crash_drill.crash_split(r)["other_errors"] == 1
 
 
 def test_hit_rate_story_flips_with_the_numbers():
@@ -125,13 +127,13 @@ def _drill(summary, events=None, df=None):
 
 
 def test_drill_story_is_read_from_the_run_never_assumed():
-    assert "No crash drill" in stability.drill_story(_drill({}), None)
-    none = stability.drill_story(_drill({"drill_at_s": float("nan")}), 5)
+    assert "No crash drill" in crash_drill.drill_story(_drill({}), None)
+    none = crash_drill.drill_story(_drill({"drill_at_s": float("nan")}), 5)
     assert "did not fire" in none and "3 request(s) were answered" in none and "KILL_AFTER = 5" in none
-    fired = stability.drill_story(_drill({"drill_at_s": 9.9}), 1)
+    fired = crash_drill.drill_story(_drill({"drill_at_s": 9.9}), 1)
     assert "fired at 9.9 s" in fired and "cost 1 request(s)" in fired and "restarted the server in 0.6 s" in fired
     assert "1 request(s) answered after the restart" in fired          # the ok at t = 12 s
-    late = stability.drill_story(_drill({"drill_at_s": 19.9, "restarts": 0}, events=[]), 1)
+    late = crash_drill.drill_story(_drill({"drill_at_s": 19.9, "restarts": 0}, events=[]), 1)
     assert "not observed" in late and "restarts 0" in late
 
 
@@ -153,7 +155,7 @@ def test_a_soak_folder_reads_back(tmp_path):
     back = stability.load_soak(tmp_path)
     assert len(back.df) == 4 and len(back.samples) == len(r.samples) and back.t0 == 100.0
     assert back.summary["duration_s"] == 20.0 and back.summary["crashes"] == 1
-    assert stability.crash_split(back)["planned"] == 1 and stability.drill_cost(back) == 1
+    assert crash_drill.crash_split(back)["planned"] == 1 and crash_drill.drill_cost(back) == 1
 
 
 def test_drift_halves_compares_interval_widths():
@@ -163,3 +165,47 @@ def test_drift_halves_compares_interval_widths():
                               "rss_mib": 200 + 0.01 * t + np.random.default_rng(0).normal(0, 0.5, len(t))})
     h = stability.drift_halves(r)
     assert h["width_first_half"] > h["width_all"] > 0 and h["ratio"] == h["width_first_half"] / h["width_all"]
+
+
+def test_the_drift_verdict_says_the_mib_it_amounts_to():
+    """15: "growing +124.9 MiB/h" beside a plot that moved by about 1 MiB after the restart: the
+    verdict now says what the slope amounts to over the life it was fitted on."""
+    r = _result()                                    # pid 11 answered 0-9.5 s, RSS 200.000-200.095 MiB
+    text = stability.drift_verdict(_drift(124.9, 100, 150), 20, r.samples)
+    assert "over the 10 s the longest-lived server was sampled, that slope amounts to +0.3 MiB" in text
+    assert "its RSS ranged 200-200 MiB" in text and "**growing**" in text
+    assert "amounts to" not in stability.drift_verdict(_drift(124.9, 100, 150), 20)
+
+
+def test_guesses_are_scored_after_the_soak_and_not_before(capsys):
+    r = _result()
+    r.summary.update(_drift(12, 4, 20), drill_at_s=9.9)
+    assert stability.drift_guess_text(None, r.summary).startswith("Not answered yet")
+    assert re.search(r"\binside this run's interval\b", stability.drift_guess_text(10, r.summary))
+    assert re.search(r"\babove this run's interval\b", stability.drift_guess_text(50, r.summary))
+    assert re.search(r"\bbelow this run's interval\b", stability.drift_guess_text(0, r.summary))
+    assert crash_drill.lost_guess_text(None, r, 2).startswith("Not answered yet")
+    one = crash_drill.lost_guess_text(1, r, 2)                      # the drill cost 1 here; 2 users predicted 2
+    assert "drill cost 1" in one and "exactly right" in one and "predicts 2" in one
+    assert re.search(r"\babove it by 2\b", crash_drill.lost_guess_text(3, r, 2))
+    r.summary["drill_at_s"] = float("nan")
+    assert "did not fire" in crash_drill.lost_guess_text(1, r, 2)
+
+
+def test_the_summary_table_splits_the_crash_rate_and_hides_a_p95_of_few():
+    """15: `crash_rate_per_h 120` beside "0 unplanned crashes", and a p95 of 20 requests."""
+    r = _result()
+    r.summary.update(crash_rate_per_h=180.0, ttft_s_p95=0.39, e2e_s_p95=1.19)
+    t = crash_drill.summary_table(r)
+    assert "crash_rate_per_h" not in t and t["crashes_unplanned"] == 0 and t["drill_kills"] == 1
+    assert t["crash_rate_unplanned_per_h"] == 0 and t["ttft_s_p95"].startswith("n too small (3 ok requests")
+    r.events = [e for e in r.events if e["event"] != "drill_kill"]
+    assert crash_drill.summary_table(r)["crash_rate_unplanned_per_h"] == 180.0
+
+
+def test_latency_text_gives_a_p95_only_from_enough_requests():
+    few = crash_drill.latency_text(_result().df)
+    assert "n too small for a p95 (an interval needs 72 requests, have 3)" in few and "TTFT p50 0.30 s (range" in few
+    many = pd.DataFrame({"status": "ok", "ttft_s": np.linspace(0.1, 1.0, 100), "e2e_s": np.linspace(1, 2, 100)})
+    text = crash_drill.latency_text(many)
+    assert "n too small" not in text and re.search(r"TTFT p50 0\.55 s \[\S+, \S+\], p95 0\.95 s \[", text)

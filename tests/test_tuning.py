@@ -2,6 +2,7 @@
 with intervals, the append-only log, KV-cache prediction and log parsing."""
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -63,7 +64,7 @@ def test_decide_keeps_only_a_change_beyond_noise():
     slow, fast = _frame(1.0 + 0.05 * rng.random(40)), _frame(0.5 + 0.05 * rng.random(40))
     assert T.decide(slow, fast)["decision"] == "keep"
     worse = T.decide(fast, slow)
-    assert worse["decision"] == "revert" and worse["why"] == "worse beyond noise"
+    assert worse["decision"] == "revert" and worse["why"].startswith("worse beyond noise (p = ")
     same = T.decide(slow, _frame(1.0 + 0.05 * rng.random(40)))
     assert same["decision"] == "revert" and "within noise" in same["why"]
     assert T.decide(_frame(fast.ttft_s * 10), fast, goal="higher")["decision"] == "revert"
@@ -234,6 +235,37 @@ def test_like_for_like_says_when_counts_differ_and_flips_with_the_numbers():
     prod = _run(base, pattern="poisson", rate_rps=1.5)
     mixed = CP.like_for_like({"one user": local, "production": prod}, "e2e_s", by="request")
     assert "one user sent them one at a time, production as independent arrivals at 1.5 requests/s" in mixed
+
+
+def test_exercise_5_scores_the_ratio_its_row_prints():
+    """14: exercise 5 scored p50 ÷ p50 (1.444 / 0.857 = 1.685) while the row it points to printed
+    the median of the paired ratios (1.56×). The exercise's number is the row's number."""
+    ids = np.arange(7)
+    local = _run(pd.DataFrame({"status": "ok", "request_id": ids, "ttft_s": [0.5, 0.6, 0.8, 0.857, 0.9, 1.0, 1.2]}),
+                 pattern="sequential")
+    prod = _run(local.df.assign(ttft_s=local.df.ttft_s * [3.0, 2.5, 1.2, 1.56, 1.1, 1.5, 2.0]),
+                pattern="poisson", rate_rps=1.0)
+    runs = {"one user": local, "production": prod}
+    iv = CP.paired_ratio(runs, "ttft_s", by="request")
+    row = CP.like_for_like(runs, "ttft_s", floor=0.05, by="request", what="TTFT")
+    assert f"production ÷ one user = {iv.median:.2f}×" in row and iv.median == pytest.approx(1.56)
+    assert prod.df.ttft_s.median() / local.df.ttft_s.median() != pytest.approx(iv.median, rel=0.01)
+    assert CP.paired_ratio({"a": local, "b": _run(local.df.assign(status="error"))}, "ttft_s", by="request") is None
+
+
+def test_a_verdict_that_prints_p_names_its_threshold():
+    """14 printed "p = 0.031 … within noise" beside "p = 0.025 → faster": the band test is
+    one-sided on each side (0.025), the A/A relabelling test two-sided (0.05)."""
+    before = _frame(np.ones(6))
+    after = _frame([0.5] * 5 + [1.3])                  # one pair reversed: p = 1/32 on its side
+    d = T.decide(before, after, floor=0.0)
+    assert d["decision"] == "revert" and "p = 0.031, above this test's 0.025 per side" in d["why"]
+    kept = T.decide(before, _frame([0.5] * 6), floor=0.0)
+    assert kept["decision"] == "keep" and "p = 0.016, at or under this test's 0.025 per side" in kept["why"]
+    from infercourse.measure import noise, tuning_log
+    a = np.linspace(1.0, 1.2, 6)
+    joint = noise.compare(a, a * 0.5, noise.noise_floor(a, a * 1.01))
+    assert re.search(r"this test's 0\.05$", tuning_log.p_text(joint))        # two-sided: no "per side"
 
 
 @pytest.mark.slow

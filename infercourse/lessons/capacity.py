@@ -9,19 +9,17 @@ notebook's answers:
   where that fell against the slot count;
 - `batch_gain`: notebook 11's throughput curve read at one point: requests/s with K users
   on K slots over requests/s with one, on requests shaped like a cached turn;
-- `predict_capacity`: sessions one replica should serve, predicted before measuring from
-  the KV budget (notebook 12: which session prefixes fit in the slots and in the host-RAM
-  prompt cache) and the throughput of one replica with K slots (a lone cached turn's
-  service time, the think time, the batching gain at K, kept under a utilisation that
-  leaves room for bursts);
-- `measured_capacity`, `capacity_sentence`: the largest session count whose turns meet the
-  TTFT SLO, and how it compares with the prediction (and what the gap means);
-- `knee_exercise`: what an exercise scores a guess against (the arithmetic, and the run);
-- `replicas_for`: replicas for a team, from one replica's capacity;
-- `pool_capacity`, `team_table`, `pool_text`: the same per model, when every session sends
-  a share of its calls to each model (a main model and a small/fast one) and each model
-  runs in its own pool of replicas;
-- `plot_knee`: the picture.
+- `capacity_sentence`: the predicted capacity against the measured one (the largest session
+  count whose later turns met the TTFT SLO), and what the gap means;
+- `knee_exercise`, `knee_guess_text`: what a guess at the knee is scored against (the
+  arithmetic, and the run);
+- `team_table`, `pool_text`, `team_text`: replicas per model's pool for a team, which pool
+  binds, and the team's answer on one model and split over two, reconciled in one sentence;
+- `plot_knee`: the picture, of what the knee and the capacity are judged on.
+
+The capacity model itself (`predict_capacity`, `pool_capacity`, `pools_from_prediction`,
+`measured_capacity`, `replicas_for`) is `measure.capacity_model`, re-exported here: one
+formula for one replica, for a pool, and for a team.
 
 Past one replica, how requests are spread over several (policies, the kill drill) is
 `lessons.routing`.
@@ -34,8 +32,14 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-__all__ = ["knee", "knee_sentence", "batch_gain", "predict_capacity", "measured_capacity", "capacity_sentence",
-           "knee_exercise", "replicas_for", "pool_capacity", "team_table", "pool_text", "plot_knee"]
+# the model itself lives in the measure layer; re-exported so the notebook reads one module
+from infercourse.measure.capacity_model import (MIN_GOOD, bracket, measured_capacity, next_count,  # noqa: F401
+                                                pool_capacity, pools_from_prediction, predict_capacity,
+                                                replicas_for, service_ratios)
+
+__all__ = ["knee", "knee_sentence", "knee_guess_text", "batch_gain", "predict_capacity", "measured_capacity",
+           "capacity_sentence", "knee_exercise", "replicas_for", "pool_capacity", "pools_from_prediction",
+           "service_ratios", "team_table", "pool_text", "team_text", "plot_knee", "MIN_GOOD"]
 
 
 def knee(table: pd.DataFrame, min_hit: float = 0.5) -> dict[str, Any]:
@@ -82,6 +86,31 @@ def knee_sentence(label: str, k: Mapping[str, Any], slots: int, counts: Sequence
             "was not tried, so this sweep cannot place it more closely.")
 
 
+def knee_guess_text(guess: float | None, k: Mapping[str, Any], predicted: float, *, name: str = "MY_GUESS_KNEE_OFF",
+                    label: str = "") -> str:
+    """A guess at the knee (the most sessions that keep their cache), scored against the
+    mechanism's count (`predicted`: the KV limit, slots plus what the RAM cache holds) and
+    the run's bracket (kept up to `sessions_at_knee`, evicting at `first_evicting`).
+
+    Args:
+        guess: the learner's number (None: not answered; nothing else is said).
+        k: `knee`'s dict; predicted: the mechanism's count; name: the guess's variable.
+    """
+    if guess is None:
+        return f"Not answered yet: set `{name}` in the Predict cell, re-run the sweep, then this cell."
+    last, first = k["sessions_at_knee"], k["first_evicting"]
+    where = (f"kept their cache up to {last} sessions and evicted at {first}" if first is not None else
+             f"kept their cache at every count tried (up to {last}): the knee is at least {last}")
+    if first is None:
+        fits = "consistent with it" if guess >= last else f"below it (the run kept {last})"
+    else:
+        fits = ("consistent with it" if last <= guess < first else
+                f"{'above' if guess >= first else 'below'} it")
+    near = ("the KV limit" if abs(guess - predicted) < abs(guess - last) else "the run's knee")
+    return (f"{label + ': ' if label else ''}your guess {guess:g}; the KV limit (slots, plus what the RAM cache "
+            f"holds) says {predicted:g}; in the run, sessions {where}. Your guess is {fits}, and closer to {near}.")
+
+
 def batch_gain(srv, slots: int, one: pd.DataFrame, *, rounds: int = 2, model: Any = None,
                out_dir: str | Path | None = None) -> dict[str, float]:
     """Notebook 11's throughput curve read at one point: completed requests/s with `slots`
@@ -121,62 +150,6 @@ def _rps(df: pd.DataFrame) -> float:
     return float(throughput(df)["requests_per_s"])
 
 
-def predict_capacity(one: pd.DataFrame, *, slots: int, slot_ctx: int, kv_bytes_per_token: float,
-                     cache_ram_mib: float = 0.0, utilisation: float = 0.7, gain: float = 1.0) -> dict[str, float]:
-    """Sessions one replica should serve, from a single session's run, the KV budget and
-    the batching gain at K slots.
-
-    A replica keeps up to K turns in service at once. With all K busy, a turn takes
-    K x service / gain (gain: throughput with K users over one, `batch_gain`); a session
-    holds a slot for that long, then thinks. Keeping the slots busy a share `utilisation`
-    of the time allows N = utilisation x K x (think + K·service/gain) / (K·service/gain)
-    = utilisation x (gain x think / service + K) sessions. K = 1, gain = 1 is a serial
-    server: utilisation x (think + service) / service.
-
-    Args:
-        one: the per-turn frame of ONE session alone (its turns' e2e, prompt sizes, the
-            think time between them).
-        slots: llama-server slots (-np); slot_ctx: context per slot (-c / -np).
-        kv_bytes_per_token: from the model card (notebook 12).
-        cache_ram_mib: the host-RAM prompt cache (--cache-ram; 0: off).
-        utilisation: the busy share the slots may run at; queueing grows without bound
-            as it nears 1, so leave headroom for bursts.
-        gain: requests/s with K users over one (1: batching buys nothing).
-
-    Returns the KV limit (sessions whose prefixes stay cached: slots, plus those the RAM
-    cache holds), the throughput limit (above, with service the lone cached turn's e2e),
-    and their minimum, with the inputs.
-    """
-    ok = one[one["status"] == "ok"].sort_values("turn")
-    peak = float(ok["prompt_tokens"].max() + ok["output_tokens"].max())
-    service = float(ok.loc[ok["turn"] > 0, "e2e_s"].mean() if (ok["turn"] > 0).any() else ok["e2e_s"].mean())
-    think = float((ok["sent_t"].shift(-1) - ok["end_t"]).dropna().mean()) if len(ok) > 1 else 0.0
-    fit = slots if peak <= slot_ctx else 0
-    in_ram = cache_ram_mib * 2**20 / (peak * kv_bytes_per_token) if cache_ram_mib else 0.0
-    kv_limit = fit + math.floor(in_ram)
-    tput_limit = utilisation * (gain * think / service + slots) if service > 0 else math.inf
-    return {"peak_tokens": peak, "service_s": service, "think_s": think, "slots": slots, "gain": gain,
-            "utilisation": utilisation, "kv_limit": kv_limit, "throughput_limit": tput_limit,
-            "predicted": min(kv_limit, tput_limit)}
-
-
-def measured_capacity(table: pd.DataFrame, min_good: float = 0.9, column: str = "good_fraction_later") -> int:
-    """The largest session count (before the first failure) whose turns met the SLO in at
-    least `min_good` of cases. By default only turns after a session's first count: the
-    first is a whole prefill however many sessions run (a new agent's cold start), while
-    capacity is about the steady state; failed turns count wherever they fell
-    (`sessions_summary`). (`column="good_fraction"`: every turn.)
-
-    A NaN fraction (nothing measured: no turn was judged) fails the level: a count where no
-    turn is shown to meet the SLO is not one the server serves."""
-    best = 0
-    for n, good in table[column].items():
-        if not good >= min_good:   # NaN compares False both ways: `good < min_good` let it pass
-            break
-        best = int(n)
-    return best
-
-
 def capacity_sentence(label: str, row: Mapping[str, Any], counts: Sequence[int]) -> str:
     """The predicted capacity against the measured one, and what the gap means.
 
@@ -191,22 +164,22 @@ def capacity_sentence(label: str, row: Mapping[str, Any], counts: Sequence[int])
         counts: the session counts tried.
     """
     pred, meas = float(row["predicted"]), int(row["measured"])
-    above = [c for c in sorted(counts) if c > meas]
-    nxt = above[0] if above else None
+    nxt = next_count(meas, counts)
     kv_binds = row["kv_limit"] <= row["throughput_limit"]
     head = (f"{label}: predicted {pred:.2f} sessions (bound by the {'KV' if kv_binds else 'throughput'} limit), "
             f"measured {'at least ' if nxt is None else ''}{meas} (one sweep, one run per count: no rerun, so the "
             "measured count is not judged against noise)")
-    if meas == 0:
+    kind = bracket(pred, meas, counts)
+    if kind == "unchecked":
         return f"{head}: even {min(counts)} session(s) missed the SLO; the prediction cannot be checked below that."
-    if nxt is not None and meas <= pred < nxt:
+    if kind == "agree":
         return (f"{head}: **agree**: the prediction falls between the largest count that met the SLO ({meas}) "
                 f"and the first that did not ({nxt}).")
-    if pred >= (nxt if nxt is not None else math.inf):
+    if kind == "optimistic":
         return (f"{head}: the prediction was **optimistic**: {nxt} sessions already missed the SLO. Something the "
                 "model leaves out costs time here: re-prefills after evictions, turns queued behind whole turns, "
                 "or a machine busy with other work (the contention line).")
-    if nxt is None and pred > meas:
+    if kind == "beyond":
         return f"{head}: the prediction lies beyond the counts tried, so this sweep cannot check it."
     ratio = meas / pred if pred > 0 else math.inf
     if kv_binds:
@@ -244,45 +217,6 @@ def knee_exercise(guess: float | None, model: Any, slots: int, slot_ctx: int, th
             "text": text + ("" if k["first_evicting"] else " Nothing to score: no count tried evicted.")}
 
 
-def replicas_for(team_size: int, per_replica: float) -> int:
-    """Replicas a team needs when one serves `per_replica` sessions (at least one)."""
-    return max(1, math.ceil(team_size / per_replica)) if per_replica > 0 else math.inf
-
-
-def pool_capacity(service_s: Mapping[str, float], shares: Mapping[str, float], think_s: float, *,
-                  kv_limit: Mapping[str, float] | None = None, utilisation: float = 0.7) -> pd.DataFrame:
-    """Sessions one replica of each model's pool serves, when each session sends `shares` of
-    its calls to each model.
-
-    A session's cycle is one call and one think: cycle = think + sum_m share_m x service_m.
-    Pool m is busy share_m x service_m of every cycle, for each session, so one replica at
-    `utilisation` serves utilisation x cycle / (share_m x service_m) sessions (the
-    throughput limit), capped by `kv_limit[m]` where given (the sessions whose prefixes
-    stay cached: the main model's long conversations; a small model's one-off calls keep none).
-
-    Args:
-        service_s: model -> seconds one call of it takes with the model resident.
-        shares: model -> share of the calls (normalised).
-        think_s: a session's time between calls (its tools running).
-        kv_limit: model -> sessions its replica keeps cached (missing: no limit).
-        utilisation: the busy share a replica may run at (headroom for bursts).
-    """
-    total = sum(shares.values())
-    if total <= 0 or set(shares) - set(service_s):
-        raise ValueError(f"need a positive share and a service time for every model, got {dict(shares)}, "
-                         f"{dict(service_s)}")
-    share = {m: s / total for m, s in shares.items()}
-    cycle = think_s + sum(share[m] * service_s[m] for m in share)
-    rows = {}
-    for m in share:
-        busy = share[m] * service_s[m]
-        tput = utilisation * cycle / busy if busy > 0 else math.inf
-        kv = float((kv_limit or {}).get(m, math.inf))
-        rows[m] = {"share": share[m], "service_s": service_s[m], "cycle_s": cycle, "throughput_limit": tput,
-                   "kv_limit": kv, "per_replica": min(tput, kv)}
-    return pd.DataFrame(rows).T
-
-
 def team_table(pools: pd.DataFrame, team_sizes) -> pd.DataFrame:
     """Replicas of each pool (columns) for each team size (rows), from `pool_capacity`."""
     return pd.DataFrame({m: [replicas_for(n, r["per_replica"]) for n in team_sizes] for m, r in pools.iterrows()},
@@ -303,22 +237,63 @@ def pool_text(pools: pd.DataFrame, team_size: int) -> str:
     return f"{head}. Sessions per replica: {per}. A team of {team_size}: {need}."
 
 
-def plot_knee(tables: Mapping[str, pd.DataFrame], slots: int, slo_ttft_s: float | None = None):
-    """Later-turn cache hit rate and TTFT p95 against the session count, one line per
-    setting (e.g. --cache-ram off/on), the slot count marked. Returns the axes."""
+def team_text(row: Mapping[str, Any], pools: pd.DataFrame, team_size: int, counts: Sequence[int], *,
+              ref: str = "main", label: str = "--cache-ram 0") -> str:
+    """The team's replicas in one sentence from one capacity model: every call on one model
+    (`predict_capacity`'s row with `measured`), then the same model split into pools
+    (`pools_from_prediction`), and how far the sweep says to trust the prediction.
+
+    Args:
+        row: `predict_capacity`'s dict with `measured` added; pools: `pools_from_prediction`.
+        team_size: agents at once; counts: the session counts the sweep tried.
+        ref: the model every call goes to in the one-model answer; label: the setting.
+    """
+    pred, meas = float(row["predicted"]), int(row["measured"])
+    one = replicas_for(team_size, pred)
+    by_pool = {m: replicas_for(team_size, r["per_replica"]) for m, r in pools.iterrows()}
+    moved = ", ".join(f"{pools.loc[m, 'share']:.0%} of the calls on {m} (calls {pools.loc[m, 'service_s'] / pools.loc[ref, 'service_s']:.2g}× as long)"
+                      for m in pools.index if m != ref)
+    split = " + ".join(f"{n} of {m} ({pools.loc[m, 'per_replica']:.3g} sessions each)" for m, n in by_pool.items())
+    total = sum(by_pool.values())
+    kind = bracket(pred, meas, counts)
+    trust = {"agree": f"the sweep measured {meas}, in agreement, so these counts stand",
+             "conservative": f"the sweep served {meas}, more than predicted, so these counts are conservative "
+                             f"(it served {meas / pred:.2g}× the one-model prediction)" if pred > 0 else
+                             f"the sweep served {meas}, so these counts are conservative",
+             "optimistic": f"the sweep already missed the SLO at {next_count(meas, counts)}, so these counts are "
+                           "optimistic: plan for more",
+             "beyond": f"the sweep met the SLO up to {meas}, every count it tried, so it cannot check them",
+             "unchecked": "the sweep met the SLO at no count tried, so nothing checks them"}[kind]
+    return (f"One capacity model for a team of {team_size} ({label}): with every call on {ref} it predicts {pred:.3g} "
+            f"sessions per replica, so {one} replica(s); with {moved}, the same model gives {split}, {total} in all "
+            f"({'fewer' if total < one else 'more' if total > one else 'as many'}); {trust}.")
+
+
+def plot_knee(tables: Mapping[str, pd.DataFrame], slots: int, min_good: float = MIN_GOOD):
+    """What the knee and the capacity are judged on, against the session count, one line per
+    setting (e.g. --cache-ram off/on): the later turns' cache hit rate, and the share of
+    later turns (plus any failed turn) that met the TTFT SLO, with `min_good` (the share
+    `measured_capacity` asks for) and the slot count marked; each point is labelled with the
+    turns it judged. Later turns only: a session's first turn is a cold prefill at any load.
+    Returns the axes."""
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     for label, t in tables.items():
         a.plot(t.index, t["cache_hit_rate_later"], "o-", label=label)
-        b.plot(t.index, t["ttft_p95_s"], "o-", label=label)
+        b.plot(t.index, t["good_fraction_later"], "o-", label=label)
+        for n, good, judged in zip(t.index, t["good_fraction_later"], t.get("turns_judged_later", [None] * len(t))):
+            if judged is not None and good == good:
+                b.annotate(f"{int(judged)}", (n, good), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    counts = sorted({int(n) for t in tables.values() for n in t.index} | {slots})
     for ax in (a, b):
         ax.axvline(slots, color="grey", ls=":", label=f"{slots} slots")
+        ax.set_xticks(counts)
         ax.set_xlabel("concurrent sessions")
-    if slo_ttft_s:
-        b.axhline(slo_ttft_s, color="red", ls="--", label="TTFT SLO")
+        ax.set_ylim(-0.05, 1.05)
+    b.axhline(min_good, color="red", ls="--", label=f"capacity: {min_good:.0%} within the SLO")
     a.set_ylabel("cache hit rate, turns after the first")
-    a.set_ylim(-0.05, 1.05)
-    b.set_ylabel("TTFT p95 (s)")
+    b.set_ylabel("share of later turns within the TTFT SLO")
+    b.set_title("labels: turns judged", fontsize=8)
     a.legend(fontsize=8)
     b.legend(fontsize=8)
     fig.tight_layout()

@@ -35,8 +35,7 @@ from infercourse.measure.tuning_log import pairing, pairs
 
 __all__ = ["PROBLEMS", "problems_frame", "KV_BYTES", "predicted_kv_mib", "max_context_tokens",
            "quality_drop", "production_workloads", "overflow_request", "percentile_text", "median_text", "tail_text",
-           "tail_table",
-           "load_text", "like_for_like"]
+           "tail_table", "load_text", "like_for_like", "paired_ratio"]
 
 # symptom, where to look first, knobs (from llama.cpp's server docs and the course's lessons)
 PROBLEMS = {
@@ -268,3 +267,17 @@ def like_for_like(runs: dict[str, Any], metric: str = "e2e_s", *, floor: float =
         return f"{head} No request finished in both runs: nothing to compare."
     c = noise.compare(x, y, floor, labels=(na, nb), word="faster" if metric.endswith("_s") else "higher")
     return f"{head} {claims.verdict_sentence(c, what or metric)}"
+
+
+def paired_ratio(runs: dict[str, Any], metric: str = "e2e_s", *, by: str | None = None):
+    """The median paired ratio (second run ÷ first, pair by pair) that `like_for_like`'s
+    sentence prints, with its interval (`noise.paired_interval`, as `noise.compare` computes
+    it), or None when no request finished in both runs. It is not the ratio of the two
+    runs' medians.
+
+    Args:
+        runs: {name: run} with exactly two runs; metric, by: as `like_for_like`.
+    """
+    (_, a), (_, b) = runs.items()
+    x, y = pairs(a.df, b.df, metric, by or pairing(metric))
+    return noise.paired_interval(x, y) if x else None

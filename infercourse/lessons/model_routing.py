@@ -12,65 +12,43 @@ or alias, loading each on demand. What it costs depends on how many fit at once:
   arm; the loads as the router's own log times them (`load_times`), and the memory held;
 - `sleep_trials`: a model freed after idle seconds pays a reload on its next request
   (what Ollama's `OLLAMA_KEEP_ALIVE` does after 5 minutes), against the same model awake;
-- `mixed_trials`: an agent's mix (80 % main, 20 % fast) through `bench` at both settings;
-- `killed_instance`: SIGKILL one model's instance mid-stream: what the request in flight
-  gets, what the router says, what is kept, and what the next requests pay.
+- `mixed_trials`: an agent's mix (80 % main, 20 % fast) through `bench` at both settings,
+  and `service_by_model`: each model's call time with both resident (capacity per model).
+
+A killed model instance, and what other routers do with model names, are
+`lessons.model_failover`. One timed request by name is `measure.model_mix.ask`.
 
 The `*_text` functions turn a run's numbers into the notebook's sentences, so what a
-sentence says (faster, within noise, which pool binds) comes from the numbers, judged
-against their A/A floor (`measure.noise`). Each measuring function starts its own routers
-(1 thread, small context by default: `router_kw` goes to `LlamaRouter`) and stops them.
+sentence says (faster, within noise) comes from the numbers, judged against their A/A
+floor (`measure.noise`); a tail percentile is judged only where every trial has the
+samples its interval needs. Each measuring function starts its own routers (1 thread,
+small context by default: `router_kw` goes to `servers.llama_router.course_router`) and
+stops them.
 """
 from __future__ import annotations
 
-import importlib.metadata
-import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import pandas as pd
 
-from infercourse.core import metrics
 from infercourse.core.errors import InferCourseError
-from infercourse.core.trace import record, record_stream
+from infercourse.core.summary import min_n
 from infercourse.core.types import Request
 from infercourse.measure import noise
-from infercourse.servers.llama_router import LlamaRouter, course_presets
+from infercourse.measure.model_mix import ASK_PROMPT, ask
+from infercourse.servers.llama_router import ROUTER_DEFAULTS, LlamaRouter, course_router, load_times  # noqa: F401
 
 __all__ = ["ask", "alias_routing", "alias_text", "load_times", "swap_trials", "per_trial", "judge",
            "swap_penalty_s", "swap_text", "read_gb_s", "guess_text", "sleep_trials", "sleep_text",
-           "mixed_trials", "mixed_table", "mixed_text", "service_by_model", "killed_instance",
-           "killed_text", "router_versions", "router_notes", "ROUTER_DEFAULTS", "OBSERVED_ROUTERS", "SWAP_ARMS",
+           "mixed_trials", "mixed_table", "mixed_text", "service_by_model", "ROUTER_DEFAULTS", "SWAP_ARMS",
            "SLEEP_ARMS", "MIX_ARMS"]
 
-ROUTER_DEFAULTS = {"threads": 1, "ctx_size": 1024, "n_parallel": 1}
 SWAP_ARMS = ("resident", "resident A/A", "swap")
 SLEEP_ARMS = ("awake", "awake A/A", "after sleep")
 MIX_ARMS = ("models_max 2", "models_max 2 A/A", "models_max 1")
-_PROMPT = "Name one colour of the sky."
 _MIB = 2 ** 20
-_LAYER = re.compile(r"\(([\w ]+) layer\)")
-_SPAWN = re.compile(r"spawning server instance with name=(\S+) on port (\d+)")
-# a child's own log line, prefixed by its port: "[PORT] M.SS.mmm.uuu ... model loaded"
-_LOADED = re.compile(r"^\[(\d+)\]\s+(\d+)\.(\d+)\.(\d+)\.(\d+)\s.*\bmodel loaded\b")
-
-
-def _router(presets, models_max: int, **router_kw: Any) -> LlamaRouter:
-    return LlamaRouter(presets if presets is not None else course_presets(), models_max=models_max,
-                       **{**ROUTER_DEFAULTS, **router_kw})
-
-
-def ask(router: LlamaRouter, model: str, *, prompt: str = _PROMPT, max_tokens: int = 8,
-        api: str = "anthropic") -> dict[str, Any]:
-    """One request to `model` (a name or alias) through the router, timed as bench times it:
-    status, TTFT, end-to-end, output tokens, and the error and the layer it names, if any."""
-    eng = router.engine(model=model, api=api)
-    tr = record(eng, Request(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens))
-    layer = _LAYER.search(tr.error or "")
-    return {"asked": model, "status": tr.status, "ttft_s": metrics.ttft_s(tr), "e2e_s": metrics.e2e_s(tr),
-            "output_tokens": metrics.output_tokens(tr), "error": (tr.error or "")[:160] or None,
-            "layer": layer.group(1) if layer else None}
 
 
 def _loaded(router: LlamaRouter) -> list[str]:
@@ -90,7 +68,7 @@ def alias_routing(router: LlamaRouter | None = None, names: Iterable[str] | None
         names: names to ask (default: each preset's name, its aliases, and "nonexistent-model").
     """
     if router is None:
-        with _router(None, 2, **router_kw) as r:
+        with course_router(2, None, **router_kw) as r:
             return alias_routing(r, names)
     names = list(names) if names is not None else \
         [n for p in router.presets for n in (p.name, *p.aliases)] + ["nonexistent-model"]
@@ -118,21 +96,6 @@ def alias_text(table: pd.DataFrame) -> str:
     return f"{ok} of {len(table)} names answered.\n" + "\n".join(lines)
 
 
-def load_times(log_text: str) -> pd.DataFrame:
-    """Every model load in a router's log: the model, its child's port, and the child's own
-    clock when it logged "model loaded" (seconds from its start: process start, reading the
-    weights, allocating the KV cache, warm-up)."""
-    port_model, rows = {}, []
-    for line in log_text.splitlines():
-        if s := _SPAWN.search(line):
-            port_model[s.group(2)] = s.group(1)   # ports are reused: the latest spawn owns it
-        elif m := _LOADED.match(line):
-            mi, se, ms, us = (int(g) for g in m.groups()[1:])
-            rows.append({"model": port_model.get(m.group(1)), "port": int(m.group(1)),
-                         "loaded_s": mi * 60 + se + ms / 1e3 + us / 1e6})
-    return pd.DataFrame(rows, columns=["model", "port", "loaded_s"])
-
-
 def _state(router: LlamaRouter, model: str) -> str:
     loaded, name = _loaded(router), router.model_status(model)["name"]
     if name in loaded:
@@ -156,7 +119,7 @@ def swap_trials(presets=None, *, repeats: int = 4, sequence: Sequence[str] = ("f
     "rss_mib": {models_max: resident MiB of router + children at the end}, "held":
     {models_max: models loaded then}, "loads": the swapping router's loads (`load_times`)}.
     """
-    with _router(presets, 2, **router_kw) as both, _router(presets, 1, **router_kw) as one:
+    with course_router(2, presets, **router_kw) as both, course_router(1, presets, **router_kw) as one:
         routers = dict(zip(SWAP_ARMS, (both, both, one)))
         _warm((both, one), sequence, max_tokens)
         rows = []
@@ -198,7 +161,8 @@ def _verdict_lines(wide: pd.DataFrame, what: str, a_wins: str, b_wins: str, neit
     ma, mb = float(wide[a].median()), float(wide[b].median())
     head = {f"{a} faster": a_wins, f"{b} faster": b_wins}.get(cmp.verdict, neither)
     if cmp.too_few:
-        head = f"- **No verdict on the {{what}}** ({b}: {{b}}, {a}: {{a}}): {cmp.said}; this run cannot rank them."
+        the = "" if what.startswith("the ") else "the "   # "the mix's TTFT p50" carries its own
+        head = f"- **No verdict on {the}{{what}}** ({b}: {{b}}, {a}: {{a}}): {cmp.said}; this run cannot rank them."
     return [head.format(a=f"{ma:.3g} s", b=f"{mb:.3g} s", what=what), f"  - {floor.text()}",
             f"  - {cmp.text}"]
 
@@ -272,7 +236,7 @@ def sleep_trials(presets=None, *, model: str = "fast", sleep_idle_s: int = 1, re
     "rss_asleep_mib", "sleep_idle_s"}.
     """
     rows, rss = [], {}
-    with _router(presets, 1, sleep_idle_s=sleep_idle_s, **router_kw) as r:
+    with course_router(1, presets, sleep_idle_s=sleep_idle_s, **router_kw) as r:
         ask(r, model, max_tokens=max_tokens)   # load it
         for block, arm in noise.schedule(SLEEP_ARMS, repeats):
             if arm == "after sleep":
@@ -318,12 +282,12 @@ def mixed_trials(presets=None, *, shares: Mapping[str, float] | None = None, rep
     from infercourse.measure.model_mix import mix
     shares = shares or {"main": 0.8, "fast": 0.2}
     frames = []
-    with _router(presets, 2, **router_kw) as both, _router(presets, 1, **router_kw) as one:
+    with course_router(2, presets, **router_kw) as both, course_router(1, presets, **router_kw) as one:
         routers = dict(zip(MIX_ARMS, (both, both, one)))
         _warm((both, one), list(shares), max_tokens)
         for block, arm in noise.schedule(MIX_ARMS, repeats):
             r, label = routers[arm], f"mix-{arm.replace(' ', '-').replace('/', '')}-b{block}"
-            reqs = mix([Request(messages=[{"role": "user", "content": f"Question {i}: {_PROMPT}"}],
+            reqs = mix([Request(messages=[{"role": "user", "content": f"Question {i}: {ASK_PROMPT}"}],
                                 max_tokens=max_tokens) for i in range(n)], shares, seed=seed + block)
             res = bench.run(r.engine(), reqs, pattern="concurrency" if concurrency > 1 else "sequential",
                             concurrency=concurrency, warmup=0, progress=False, seed=seed, label=label,
@@ -334,21 +298,32 @@ def mixed_trials(presets=None, *, shares: Mapping[str, float] | None = None, rep
 
 def mixed_table(df: pd.DataFrame) -> pd.DataFrame:
     """TTFT p50 / p95 by model (and "all") at each models_max, pooled over its trials (the
-    A/A rerun left out so both settings count the same requests)."""
+    A/A rerun left out so both settings count the same requests); a p95 of fewer ok
+    requests than its interval needs (`summary.min_n`: 72) is left out (NaN)."""
     from infercourse.measure.model_mix import by_model
-    cols, out = ["n_ok", "n_total", "ttft_s_p50", "ttft_s_p95"], []
+    cols, out, p95 = ["n_ok", "n_total", "ttft_s_p50", "ttft_s_p95"], [], f"ttft_s_p95 (NaN: n < {min_n(0.95)})"
     for arm in (MIX_ARMS[0], MIX_ARMS[2]):
         g = df[df["arm"] == arm]
         t = by_model(g, ("ttft_s",), ("p50", "p95"))[cols]
         t.loc["all"] = by_model(g.drop(columns=["model"]), ("ttft_s",), ("p50", "p95"))[cols].iloc[0]
+        t[p95] = t.pop("ttft_s_p95").where(t["n_ok"] >= min_n(0.95))
         out.append(t.assign(models_max=int(g["models_max"].iloc[0])).reset_index())
     return pd.concat(out, ignore_index=True).set_index(["models_max", "model"])
 
 
 def mixed_text(df: pd.DataFrame) -> str:
-    """The mix's TTFT p50 and p95 at models_max 1 against 2, each judged against its A/A floor."""
-    lines = []
+    """The mix's TTFT p50 and p95 at models_max 1 against 2, each judged against its A/A
+    floor; a tail percentile only when every trial has the ok requests its interval needs
+    (`summary.min_n`: a p95 of 10 requests is their maximum), else "n too small"."""
+    lines, ok = [], df[df["status"] == "ok"]
+    fewest = int(ok.groupby(["block", "arm"]).size().reindex(
+        pd.MultiIndex.from_product([sorted(df["block"].unique()), MIX_ARMS]), fill_value=0).min())
     for q, name in ((0.5, "TTFT p50"), (0.95, "TTFT p95")):
+        if q > 0.5 and fewest < min_n(q):
+            lines.append(f"- **No verdict on the mix's {name}**: n too small for a p{q * 100:.0f}: a trial had as few "
+                         f"as {fewest} ok request(s), and a p{q * 100:.0f} needs {min_n(q)} for its interval "
+                         "(more `MIX_REQUESTS` per trial).")
+            continue
         lines += _verdict_lines(
             per_trial(df, "ttft_s", q, MIX_ARMS), f"the mix's {name} (median over trials)",
             "- **Both resident beat swapping** on {what}: {a} at models_max 2, {b} at models_max 1.",
@@ -363,91 +338,3 @@ def service_by_model(df: pd.DataFrame, arm: str = MIX_ARMS[0]) -> dict[str, floa
     (default both resident: a call's service time with no reload in it)."""
     ok = df[(df["arm"] == arm) & (df["status"] == "ok")]
     return {str(m): float(v) for m, v in ok.groupby("model")["e2e_s"].mean().items()}
-
-
-def _kill_after_first_chunk(stream: Iterator, router: LlamaRouter, model: str, box: dict) -> Iterator:
-    for ev in stream:
-        yield ev
-        if "pid" not in box:   # an event, not a clock: the instance is mid-stream right now
-            box["pid"] = router.kill_instance(model)
-
-
-def killed_instance(presets=None, *, model: str = "main", n_after: int = 3, **router_kw: Any) -> dict[str, Any]:
-    """SIGKILL `model`'s instance while it streams an answer, with every model loaded
-    (models_max = their count): what that request got, what the router reports (`check()`),
-    whether it and the other instances stayed up, and what the next requests to `model` found."""
-    presets = presets if presets is not None else course_presets()
-    with _router(presets, len(presets), **router_kw) as r:
-        for p in r.presets:
-            ask(r, p.name)
-        resident = ask(r, model)
-        pids = {m["name"]: m["pid"] for m in r.models() if m["pid"]}
-        box: dict[str, Any] = {}
-        eng = r.engine(model=model, api="anthropic")
-        req = Request(messages=[{"role": "user", "content": "Write a long story about the sea."}], max_tokens=256)
-        tr = record_stream(_kill_after_first_chunk(eng.stream(req), r, model, box))
-        r.wait_status(model, ("unloaded",))   # the router saw its child die
-        try:
-            r.check()
-            said = None
-        except InferCourseError as e:
-            said = e.message.split(". Last lines")[0]
-        now = {m["name"]: m for m in r.models()}
-        name = r.model_status(model)["name"]
-        kept = [n for n, pid in pids.items() if n != name and now[n]["pid"] == pid]
-        found = now[name]["status"]
-        after = [ask(r, model) for _ in range(n_after)]
-        return {"model": model, "killed_pid": box.get("pid"), "in_flight_status": tr.status,
-                "in_flight_tokens": metrics.output_tokens(tr), "in_flight_error": (tr.error or "")[:200] or None,
-                "router_said": said, "router_up": r.running, "kept": kept, "next_found": found,
-                "resident_ttft_s": resident["ttft_s"], "after_ttft_s": [a["ttft_s"] for a in after],
-                "after_ok": sum(a["status"] == "ok" for a in after), "status_now": r.model_status(model)["status"]}
-
-
-def killed_text(s: Mapping[str, Any]) -> str:
-    """What `killed_instance` showed: the client's view, the router's, what was kept, and
-    what the next requests found."""
-    err = f" ({s['in_flight_error']})" if s["in_flight_error"] else ""
-    ttfts = ", ".join(f"{t:.3g} s" for t in s["after_ttft_s"] if t == t)
-    return "\n".join([
-        f"- The client: the request in flight ended **{s['in_flight_status']}** after "
-        f"{s['in_flight_tokens']} tokens{err}.",
-        "- The router " + ("**stayed up**" if s["router_up"] else "**went down with its child**") + "; its check "
-        + (f"said: {s['router_said']}" if s["router_said"] else "named no dead instance") + ".",
-        "- Kept: " + (f"{', '.join(s['kept'])} went on in the same process" if s["kept"] else
-                      "no other instance survived in its process") + ".",
-        f"- Next: {s['after_ok']} of {len(s['after_ttft_s'])} requests to {s['model']} were ok; the first found it "
-        f"**{s['next_found']}**" + (" and started a fresh instance" if s["next_found"] != "loaded" else "")
-        + f" (TTFTs {ttfts or 'none'}; resident before the kill {s['resident_ttft_s']:.3g} s)."])
-
-
-# What the course observed of the two Rust routers on PyPI, and with which versions.
-OBSERVED_ROUTERS = {
-    "sglang-router": ("0.3.2", "its multi-model gateway (`--enable-igw`) did not start offline (it downloads "
-                      "a tokenizer vocabulary at start-up and panics without it); in its regular mode it "
-                      "registered llama-server workers with model \"unknown\" and did not route by name"),
-    "vllm-router": ("0.1.17", "it did not route by model name: two stand-in workers serving \"A\" and \"B\" "
-                    "got requests for A and B alternately under round-robin"),
-}
-
-
-def router_versions() -> dict[str, str | None]:
-    """The installed version of each router in OBSERVED_ROUTERS (None: not installed)."""
-    out: dict[str, str | None] = {}
-    for pkg in OBSERVED_ROUTERS:
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def router_notes(installed: Mapping[str, str | None]) -> str:
-    """Each observation labelled with the version it was made on and the one installed here."""
-    lines = []
-    for pkg, (seen, what) in OBSERVED_ROUTERS.items():
-        have = installed.get(pkg)
-        here = ("the version installed here" if have == seen else
-                f"installed here: {have}, so it may no longer hold: try it" if have else "not installed here")
-        lines.append(f"- **{pkg} {seen}** ({here}): {what}.")
-    return "\n".join(lines)

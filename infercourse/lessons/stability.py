@@ -12,17 +12,15 @@ computed from the run's own numbers:
   excludes zero says memory grew (or shrank) during the soak; growth alone cannot tell a
   leak from a cache filling, and a slope is projected to 24 h only from a soak of at
   least `PROJECT_MIN_S` (an hour: at most a 24-fold extrapolation, past warm-up);
-- `headline`: the guide's three (crash rate, error rate, uptime) with the planned crash
-  drill counted apart from unplanned crashes;
-- `drill_story` / `drill_cost`: what the crash drill did in this run, in words computed
-  from its events (fired or not, inside the window or not, what it cost, whether the load
-  resumed);
+- `drift_guess_text`: a guess at the drift, scored against this run's interval;
 - `prompt_cache_step`: llama-server's host prompt cache (`--cache-ram`, 8 GiB by default)
   keeps an idle slot's prompt in RAM: a step of prompt tokens x KV bytes per token that a
   soak must not call a leak (soaks here run with `--cache-ram 0`);
 - `drift_halves`: the drift interval over the first half of the samples vs all of them;
 - `load_soak`: a soak folder (yours, from `infercourse soak`) read back as a result;
 - `recipe`: the command line for the long version.
+
+Crashes, the crash drill, errors and latency percentiles are `lessons.crash_drill`.
 """
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ import pandas as pd
 from infercourse.ops.sampling import drift
 
 __all__ = ["plot_soak", "hit_rate_by_context", "hit_rate_story", "drift_verdict", "drift_class", "PROJECT_MIN_S",
-           "headline", "crash_split", "drill_cost", "recipe", "request_times", "drill_story", "prompt_cache_step",
-           "drift_halves", "load_soak"]
+           "drift_guess_text", "drift_mib", "recipe", "request_times", "prompt_cache_step", "drift_halves", "load_soak"]
 
 # A slope is projected to 24 h only from a soak this long: at most a 24-fold extrapolation, and
 # long past the warm-up (arenas, caches filling) that dominates the first minutes.
@@ -104,20 +101,40 @@ def drift_class(summary: dict[str, Any]) -> str | None:
     return "growing" if lo > 0 else "shrinking" if hi < 0 else "flat"
 
 
-def drift_verdict(summary: dict[str, Any], duration_s: float) -> str:
+def _longest_life(samples: pd.DataFrame) -> pd.DataFrame:
+    """The samples of the server process that answered longest (the one the drift is fitted on)."""
+    up = samples[samples["up"].fillna(False).astype(bool)] if "up" in samples else samples
+    return max(up.dropna(subset=["rss_mib"]).groupby("pid"), key=lambda x: len(x[1]))[1]
+
+
+def drift_mib(samples: pd.DataFrame, slope_mib_per_h: float) -> str:
+    """The drift as the MiB it amounts to: the slope over the time the longest-lived server
+    was sampled, beside the lowest and highest RSS it showed (a rate from seconds reads as
+    a lot per hour while the memory moved by one MiB)."""
+    g = _longest_life(samples)
+    span = float(g["t_s"].max() - g["t_s"].min())
+    return (f"over the {span:.0f} s the longest-lived server was sampled, that slope amounts to "
+            f"{slope_mib_per_h * span / 3600:+.1f} MiB (its RSS ranged {g['rss_mib'].min():.0f}-"
+            f"{g['rss_mib'].max():.0f} MiB)")
+
+
+def drift_verdict(summary: dict[str, Any], duration_s: float, samples: pd.DataFrame | None = None) -> str:
     """The RSS drift in words, by `drift_class`'s rule; projected to 24 h only from a soak of
     at least `PROJECT_MIN_S` (a projection from seconds would be mostly warm-up, times
-    thousands).
+    thousands); with `samples`, also the MiB the slope amounts to over the life it was fitted
+    on (`drift_mib`).
 
     Args:
         summary: a `soak_summary` (rss_drift_mib_per_h and its interval).
         duration_s: how long the soak ran.
+        samples: the soak's samples (`SoakResult.samples`).
     """
     s, lo, hi = (summary.get(k, np.nan) for k in ("rss_drift_mib_per_h", "rss_drift_lo", "rss_drift_hi"))
     kind = drift_class(summary)
     if kind is None or not np.isfinite(s):
         return "Too few memory samples for a drift estimate."
-    head = f"RSS drift {s:+.1f} MiB/h (95 % interval {lo:+.1f} to {hi:+.1f}) over {duration_s / 60:.1f} min: "
+    mib = f"; {drift_mib(samples, s)}" if samples is not None and len(samples) else ""
+    head = f"RSS drift {s:+.1f} MiB/h (95 % interval {lo:+.1f} to {hi:+.1f}) over {duration_s / 60:.1f} min{mib}: "
     long_enough = duration_s >= PROJECT_MIN_S
     if kind == "flat":
         out = (head + "**no drift detectable**: the interval includes zero. Growth slower than "
@@ -135,95 +152,6 @@ def drift_verdict(summary: dict[str, Any], duration_s: float) -> str:
                       "continues or flattens.")
     return out + (f"At this pace 24 h would add {lo * 24:+.0f} to {hi * 24:+.0f} MiB; whether the pace "
                   "holds is what the plot (a plateau or not) and a longer soak say.")
-
-
-def _drill_pids(events: list[dict]) -> set:
-    return {e.get("pid") for e in events if e["event"] == "drill_kill"}
-
-
-def drill_cost(result) -> int:
-    """Errors the crash drill caused: those of the server life it ended (a `round`) that
-    failed after that life's last answer (a request that failed earlier had another cause)."""
-    df, events = result.df, result.events
-    if not len(df):
-        return 0
-    crashes = [e for e in events if e["event"] == "crash"]
-    drills = _drill_pids(events)
-    if "round" not in df:       # a folder without rounds: every error is put on the drill
-        return int((df["status"] == "error").sum()) if drills else 0
-    n = 0
-    for i, c in enumerate(crashes):          # the soak's round i ended with crash i
-        if c.get("pid") in drills:
-            life = df[df["round"] == i]
-            last_ok = life.loc[life["status"] == "ok", "end_t"].max()
-            bad = life[life["status"] == "error"]
-            n += int((bad["end_t"] >= last_ok).sum()) if np.isfinite(last_ok) else len(bad)
-    return n
-
-
-def crash_split(result) -> dict[str, Any]:
-    """Planned (drill) and unplanned crashes, and the errors of each kind."""
-    events, df = result.events, result.df
-    drills = _drill_pids(events)
-    crashes = [e for e in events if e["event"] == "crash"]
-    errors = int((df["status"] == "error").sum()) if len(df) else 0
-    cost = drill_cost(result)
-    return {"planned": sum(e["event"] == "drill_kill" for e in events),
-            "unplanned": sum(c.get("pid") not in drills for c in crashes),
-            "drill_errors": cost, "other_errors": errors - cost}
-
-
-def headline(result) -> str:
-    """The guide's three stability numbers, the planned drill counted apart: unplanned crashes
-    per hour (none seen: the rule of three's 95 % bound, 3 / hours soaked, says what a soak
-    this long cannot rule out), the error rate outside the drill, and uptime."""
-    s, c = result.summary, crash_split(result)
-    hours = s.get("duration_s", np.nan) / 3600
-    if c["unplanned"]:
-        crash = f"{c['unplanned']} unplanned crash(es) in {hours:.3g} h ({c['unplanned'] / hours:.3g} /h)"
-    else:
-        crash = (f"0 unplanned crashes in {hours:.3g} h (a rate up to {3 / hours:.3g} /h is not ruled out: "
-                 "3 / hours soaked, at 95 %)")
-    if c["planned"]:
-        crash += f"; the drill's {c['planned']} planned kill(s) not counted"
-    n = s.get("requests", 0) - s.get("incomplete_at_end", 0) - c["drill_errors"]
-    err = (f"error rate {100 * c['other_errors'] / n:.1f} % of {n} requests outside the drill" if n > 0
-           else "error rate: no request outside the drill")
-    err += f" ({c['drill_errors']} cut by the drill, {s.get('incomplete_at_end', 0)} cut off at the end: not counted)"
-    drill_t = min((e["t_s"] for e in result.events if e["event"] == "drill_kill"), default=np.inf)
-    restarted = any(e["event"] == "restart" and e["t_s"] >= drill_t for e in result.events)
-    up = f"uptime {s.get('uptime_pct', np.nan):.1f} % of samples" + (" (the drill's restart included)"
-                                                                     if restarted else "")
-    return " · ".join([crash, err, up])
-
-
-def drill_story(result, kill_after: int | None) -> str:
-    """The crash drill in one sentence, from this run's events and requests (never assumed).
-
-    Args:
-        result: a `SoakResult`.
-        kill_after: the drill's `kill_after_ok` (None: no drill was asked for).
-    """
-    s, df = result.summary, result.df
-    ok = int((df["status"] == "ok").sum()) if len(df) else 0
-    if kill_after is None:
-        return "No crash drill in this run (`KILL_AFTER = None`)."
-    if not np.isfinite(s.get("drill_at_s", np.nan)):
-        return (f"The crash drill **did not fire**: {ok} request(s) were answered in the {s['duration_s']:.0f}-s "
-                f"window, fewer than `KILL_AFTER = {kill_after}`. This run says nothing about recovery: "
-                "lower `KILL_AFTER` or lengthen `SOAK_S`.")
-    t = s["drill_at_s"]
-    restart = next((e for e in result.events if e["event"] == "restart" and e["t_s"] >= t), None)
-    lost = drill_cost(result)
-    if restart is None:
-        return (f"The crash drill fired at {t:.1f} s, too late for a restart inside the "
-                f"{s['duration_s']:.0f}-s window: restarts 0, so recovery was **not observed** here.")
-    after = int(((df["status"] == "ok") & (df["scheduled_t"] - result.t0 > restart["t_s"])).sum()) if len(df) else 0
-    resumed = (f"the load resumed: {after} request(s) answered after the restart" if after else
-               "no request was answered after the restart before the window closed")
-    return (f"The crash drill fired at {t:.1f} s (after {kill_after} answered request(s)); it cost {lost} "
-            f"request(s) (errors), the supervisor restarted the server in {restart.get('took_s', np.nan):.1f} s "
-            f"({s['restarts']} restart(s)), and {resumed}.")
 
 
 def prompt_cache_step(server, prompts, *, settle_s: float = 0.5) -> dict[str, float]:
@@ -250,13 +178,28 @@ def prompt_cache_step(server, prompts, *, settle_s: float = 0.5) -> dict[str, fl
             "saved_prompt_tokens": float(np.nansum(tokens[:-1]))}
 
 
+def drift_guess_text(guess: float | None, summary: dict[str, Any]) -> str:
+    """A guess at the drift (MiB/h), scored against this run's slope and its interval: inside
+    the interval the run cannot tell the guess from its own estimate.
+
+    Args:
+        guess: the learner's number (None: not answered; nothing else is said).
+        summary: a `soak_summary`.
+    """
+    if guess is None:
+        return "Not answered yet: set `MY_GUESS_DRIFT` in the Predict cell, re-run the soak, then this cell."
+    s, lo, hi = (summary.get(k, np.nan) for k in ("rss_drift_mib_per_h", "rss_drift_lo", "rss_drift_hi"))
+    if not all(np.isfinite(v) for v in (s, lo, hi)):
+        return f"Your guess {guess:+g} MiB/h: too few memory samples in this run to score it."
+    where = ("inside this run's interval: the run cannot tell it from its own estimate" if lo <= guess <= hi else
+             f"{'above' if guess > hi else 'below'} this run's interval")
+    return f"Your guess {guess:+g} MiB/h; measured {s:+.1f} MiB/h (95 % interval {lo:+.1f} to {hi:+.1f}): {where}."
+
+
 def drift_halves(result) -> dict[str, float]:
     """The RSS drift interval's width (MiB/h) over the first half of the longest-lived
     server's samples and over all of them: what a soak twice as long buys."""
-    smp = result.samples
-    up = smp[smp["up"].fillna(False).astype(bool)] if "up" in smp else smp
-    life = up.dropna(subset=["rss_mib"]).groupby("pid")
-    g = max(life, key=lambda x: len(x[1]))[1]
+    g = _longest_life(result.samples)
     half = g[g["t_s"] <= g["t_s"].min() + (g["t_s"].max() - g["t_s"].min()) / 2]
     w = lambda d: d["hi_per_h"] - d["lo_per_h"]    # noqa: E731
     full, first = drift(g["t_s"], g["rss_mib"]), drift(half["t_s"], half["rss_mib"])

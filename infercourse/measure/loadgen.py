@@ -14,6 +14,13 @@ in-flight cap is recorded "incomplete" too, never sent (`sent_t` NaN, tag `sent=
 Finished requests go to the results writer's queue: its thread, not this loop, encodes,
 fsyncs and moves the progress bar.
 
+The closed loop hands requests to its N workers from one shared queue by default: the
+next request goes to whichever worker is free (independent requests). With `lanes=True`
+worker w takes requests w, w + N, w + 2N, ... in that order, so a sequence laid out that
+way (a session's calls, each extending the last) is sent by one worker, call k + 1 only
+after call k has finished; a shared queue would hand call k + 1 to the other worker while
+call k still prefills, and its prefix could not be in any cache yet.
+
 `bench` (run, sweep, replay) is the public face; this module is its machinery.
 """
 from __future__ import annotations
@@ -169,7 +176,11 @@ def _never_sent(i: int, due: float, st: State, cap: int, tags: dict) -> RequestT
                             **{**tags, "sent": False})
 
 
-async def run_async(engine, reqs, offsets, concurrency, max_in_flight, deadline_s, warm, st, addr, tags):
+async def run_async(engine, reqs, offsets, concurrency, max_in_flight, deadline_s, warm, st, addr, tags,
+                    lanes: bool = False):
+    """Send `reqs` closed-loop (`offsets` None: `concurrency` workers; `lanes`: worker w sends
+    w, w + N, ... in order, see the module docstring) or open-loop on `offsets`, recording
+    every request into `st`."""
     pool = max_in_flight if offsets is not None else concurrency
     if hasattr(engine, "async_client"):
         client = engine.async_client(pool)
@@ -185,16 +196,17 @@ async def run_async(engine, reqs, offsets, concurrency, max_in_flight, deadline_
             t0 = st.start()
             over = lambda: st.stop_reason or (deadline_s and time.perf_counter() - t0 > deadline_s)  # noqa: E731
             if offsets is None:                      # closed loop: N workers
-                it = iter(range(len(reqs)))
+                shared = iter(range(len(reqs)))
+                its = [iter(range(w, len(reqs), concurrency)) if lanes else shared for w in range(concurrency)]
 
-                async def worker():
+                async def worker(it):
                     sched = t0
                     for i in it:
                         if over():
                             return
                         await _one(engine, client, i, reqs[i], sched, st, addr, tags[i])
                         sched = time.perf_counter()   # free now: the next one is due now
-                tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+                tasks = [asyncio.create_task(worker(it)) for it in its]
             else:                                    # open loop: on schedule, capped
                 gate, loop = asyncio.Semaphore(max_in_flight), asyncio.get_running_loop()
                 shift = -(time.perf_counter() - loop.time())   # our clock -> the loop's, read once

@@ -5,7 +5,8 @@ mix, as a coding agent does (its main loop on one model, its small background ca
 another). The model rides on the request: `ModelRequest` is a `Request` with a `model`
 field, which survives everything bench does to a request (salting, warm-up twins, forced
 lengths), and `ModelDispatch` sends each request to an engine for its model. bench tags
-every row with its model, so every metric splits by model (`results.by_model`).
+every row with its model, so every metric splits by model (`results.by_model`). `ask`
+sends one request by model name and times it as bench does (what a router made of a name).
 
     reqs = mix([Request(prompt=p) for p in prompts], {"main": 0.8, "fast": 0.2}, seed=0)
     r = bench.run(router.engine(), reqs, pattern="concurrency", concurrency=2)
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 from dataclasses import dataclass, fields
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
@@ -24,9 +26,11 @@ from infercourse.measure.workloads import Workload, _req_dict
 from infercourse.core.hashing import content_hash
 
 __all__ = ["ModelRequest", "ModelWorkload", "with_model", "mix", "request_models", "ModelDispatch",
-           "by_model", "by_model_lines", "UNNAMED"]
+           "by_model", "by_model_lines", "UNNAMED", "ask", "ASK_PROMPT"]
 
 UNNAMED = "(engine's model)"   # the group of requests that named no model
+ASK_PROMPT = "Name one colour of the sky."
+_LAYER = re.compile(r"\(([\w ]+) layer\)")
 
 
 @dataclass(frozen=True)
@@ -165,3 +169,21 @@ def by_model_lines(df) -> list[str]:
                    + ", ".join(f"{m} p50 {r[f'{m}_p50']:.4g} p95 {r[f'{m}_p95']:.4g}"
                                for m in ("ttft_s", "tpot_s", "e2e_s") if f"{m}_p50" in r))
     return out
+
+
+def ask(router, model: str, *, prompt: str = ASK_PROMPT, max_tokens: int = 8, api: str = "anthropic") -> dict[str, Any]:
+    """One request to `model` (a name or alias) through a router, timed as bench times it:
+    status, TTFT, end-to-end, output tokens, and the error and the layer it names, if any.
+
+    Args:
+        router: anything with `engine(model=..., api=...)` (a `servers.LlamaRouter`).
+        model: the name the request carries; api: "anthropic", "chat" or "completions".
+    """
+    from infercourse.core import metrics
+    from infercourse.core.trace import record
+    tr = record(router.engine(model=model, api=api),
+                Request(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens))
+    layer = _LAYER.search(tr.error or "")
+    return {"asked": model, "status": tr.status, "ttft_s": metrics.ttft_s(tr), "e2e_s": metrics.e2e_s(tr),
+            "output_tokens": metrics.output_tokens(tr), "error": (tr.error or "")[:160] or None,
+            "layer": layer.group(1) if layer else None}

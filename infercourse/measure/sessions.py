@@ -280,11 +280,10 @@ def run_sessions(engine, script: SessionScript | Sequence[SessionScript], n_sess
 def sweep_sessions(engine, script, counts: Sequence[int] = (1, 2, 4, 8), *, slos: Mapping[str, float] | None = None,
                    out_dir: str | Path | None = None, **kw: Any) -> tuple[pd.DataFrame, list[BenchResult]]:
     """One `run_sessions` per session count: the table of `sessions_summary` rows, indexed
-    by n_sessions, and the runs. The knee is where cache hits fall and TTFT p95 climbs.
+    by n_sessions, and the runs. The knee is where cache hits fall and TTFT climbs.
 
     Args:
-        counts: session counts, low to high.
-        slos: goodput targets, e.g. {"ttft_s": 2.0}.
+        counts: session counts, low to high; slos: goodput targets, e.g. {"ttft_s": 2.0}.
         out_dir: parent folder; each count writes `n<count>/` under it.
         kw: passed to `run_sessions`.
     """
@@ -303,16 +302,19 @@ def _hit_rate(df: pd.DataFrame) -> float:
 
 
 def _agg(g: pd.DataFrame) -> pd.Series:
+    # a p95 is NaN under the 72 samples its interval needs (summary.min_n): of 16 it is their max
+    from infercourse.core.summary import min_n
     ok = g[g["status"] == "ok"]
-    q = lambda m, p: float(np.nanpercentile(ok[m], p)) if len(ok) and ok[m].notna().any() else float("nan")  # noqa: E731
+    x = ok["ttft_s"].dropna()
     return pd.Series({"n": len(g), "n_ok": len(ok), "cache_hit_rate": _hit_rate(ok),
                       "prompt_tokens": float(ok["prompt_tokens"].mean()) if len(ok) else float("nan"),
-                      "ttft_p50_s": q("ttft_s", 50), "ttft_p95_s": q("ttft_s", 95)})
+                      "ttft_p50_s": float(np.median(x)) if len(x) else float("nan"),
+                      "ttft_p95_s": float(np.percentile(x, 95)) if len(x) >= min_n(0.95) else float("nan")})
 
 
 def by_turn(df: pd.DataFrame) -> pd.DataFrame:
     """Per turn index over all sessions: requests, cache hit rate (cached / prompt tokens
-    of ok turns), mean prompt tokens, TTFT p50 and p95."""
+    of ok turns), mean prompt tokens, TTFT p50 and p95 (NaN under 72 turns)."""
     return df.groupby("turn").apply(_agg, include_groups=False)
 
 
@@ -326,7 +328,7 @@ def sessions_summary(df: pd.DataFrame, slos: Mapping[str, float] | None = None) 
     every turn they started without a failure, cache hit rate over all turns and over
     turns after the first (the first can never hit: the salt), TTFT p50/p95, goodput (all
     turns, and turns after the first plus every failed turn: 0 when none succeeded; NaN only
-    when no turn after the first was planned and none failed, i.e. nothing to judge)."""
+    when no turn after the first was planned and none failed) and the turns it judged."""
     from infercourse.core.summary import goodput, throughput
     ok = df[df["status"] == "ok"]
     lost = df.loc[df["status"] != "ok", "session"].nunique()
@@ -343,4 +345,5 @@ def sessions_summary(df: pd.DataFrame, slos: Mapping[str, float] | None = None) 
             warnings.simplefilter("ignore")
             out["good_fraction"] = goodput(df, slos)["good_fraction"]
             out["good_fraction_later"] = goodput(steady, slos)["good_fraction"] if len(steady) else float("nan")
+        out["turns_judged_later"] = len(steady)   # what good_fraction_later is a share of
     return out

@@ -35,7 +35,7 @@ import pandas as pd
 
 from infercourse.measure import noise
 
-__all__ = ["PAIR_BY_PLACE", "pairing", "pairs", "queue_order", "pairing_text", "decide", "TuningLog",
+__all__ = ["PAIR_BY_PLACE", "pairing", "pairs", "queue_order", "pairing_text", "decide", "p_text", "TuningLog",
            "explain_log"]
 
 
@@ -142,16 +142,24 @@ def decide(before, after, metric: str = "ttft_s", *, goal: str = "lower",
            "change": iv.median - 1, "verdict": c.text, "test": c.test, "paired_by": pair_by}
     note = "" if iv.exact else f" (only {iv.n} pair{'s' * (iv.n != 1)}: the whole range, not a 95% interval)"
     if c.verdict == "after better":
-        return {**out, "decision": "keep", "why": f"better beyond noise{note}"}
+        return {**out, "decision": "keep", "why": f"better beyond noise ({p_text(c)}){note}"}
     if c.verdict == "before better":
-        return {**out, "decision": "revert", "why": f"worse beyond noise{note}"}
+        return {**out, "decision": "revert", "why": f"worse beyond noise ({p_text(c)}){note}"}
     if c.too_few:
         return {**out, "decision": "revert",
                 "why": f"{c.said}: this trial cannot show a change either way, so keep the old setting "
                        f"(more requests per trial give the test its pairs){note}"}
     return {**out, "decision": "revert",
-            "why": f"within noise: the test cannot tell it from noise (p = {c.p:.2g}; paired interval "
+            "why": f"within noise: the test cannot tell it from noise ({p_text(c)}; paired interval "
                    f"[{iv.lo:.2f}, {iv.hi:.2f}], band {noise.band_text(c.floor)}), so keep the old setting{note}"}
+
+
+def p_text(c: noise.Comparison) -> str:
+    """A verdict's p beside the threshold its test used: the band test is one-sided on each
+    side (0.025 a side at 95 %), the A/A relabelling test two-sided (0.05), so "p = 0.031"
+    is within noise for one and would call a difference for the other."""
+    side = " per side" if c.against != "the A/A rerun" else ""
+    return f"p = {c.p:.2g}, {'at or under' if c.p <= c.level else 'above'} this test's {c.level:.3g}{side}"
 
 
 def _target(session: dict[str, Any], target: str):
@@ -256,7 +264,7 @@ class TuningLog:
                  "why": "better (a deterministic reading)" if better else "not better"}
         gb, gm = _target(self.best, self.guard)
         g = decide(gb, _target(session, self.guard)[0], gm, floor=self.floor(self.guard), pair_by=pairing(gm))
-        d["guard"] = f"{self.guard} median {g['before']:.3g} -> {g['after']:.3g} ({g['why'].split(':')[0]})"
+        d["guard"] = f"{self.guard} median {g['before']:.3g} -> {g['after']:.3g} ({g['why'].split(':')[0].split(' (')[0]})"
         if d["decision"] == "keep" and g["why"].startswith("worse beyond noise") and target != self.guard:
             d.update(decision="revert", why=f"target better, but {self.guard} worse beyond noise")
         entry = self._append({"trial": f"{knob}={new[knob]}", "knob": knob, "from": cur[knob], "to": new[knob],

@@ -6,7 +6,9 @@ requests. A soak runs a realistic workload (the recorded agentic session, or a m
 it with short chats) for a fixed duration and records three things side by side:
 
 - every request (latency, errors, cached prompt tokens), through the same load loops as
-  `bench`, into `requests.jsonl` + `manifest.json`, so `infercourse report DIR` reads it;
+  `bench`, into `requests.jsonl` + `manifest.json`, so `infercourse report DIR` reads it.
+  In the closed loop each user cycles the workload in order (`user_position`): an agent's
+  call k + 1 extends call k, so it goes out once call k has finished, not while it prefills;
 - the server over time (`sampling.ServerSampler`: RSS, queue, KV use, GPU) into
   `samples.jsonl`;
 - crashes: a `Supervisor` notices the server died, restarts it on the same port, and
@@ -39,18 +41,14 @@ from infercourse.ops.sampling import ServerSampler, headline, load_samples, soak
 from infercourse.ops.supervisor import EVENTS, Supervisor, kill_server
 
 __all__ = ["SoakResult", "soak", "soak_workload", "soak_summary", "headline", "parse_duration",
-           "default_interval"]
+           "default_interval", "user_position"]
 
 _SHORT = ("What is a KV cache, in one sentence?", "Name two sorting algorithms.",
           "Say hello in French.", "What does HTTP 503 mean?")
 
 
 def parse_duration(text: str | float) -> float:
-    """Seconds from "90", "90s", "5m", "24h" or "3d".
-
-    Args:
-        text: a number of seconds, or a number with a unit suffix s/m/h/d.
-    """
+    """Seconds from "90", "90s", "5m", "24h" or "3d" (a number, or one with a unit s/m/h/d)."""
     if isinstance(text, (int, float)):
         return float(text)
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -86,9 +84,15 @@ def soak_workload(kind: str = "agentic", *, max_calls: int | None = None) -> Wor
     return Workload(f"mix-{wl.name}[:{len(calls)}]", tuple(mixed))
 
 
+def user_position(i: int, n: int, users: int) -> int:
+    """Closed-loop request i's place in an n-request workload that each of `users` workers
+    cycles in order (loadgen's lanes: worker w = i % users sends i, i + users, ...), user w
+    starting w places in: users at different points of their sessions, not in lockstep."""
+    return (i // users + i % users) % n
+
+
 class _Lazy(Sequence):
     """reqs[i] / tags[i] for the closed loop without building 100,000 items up front."""
-
     def __init__(self, n: int, item):
         self.n, self.item = n, item
 
@@ -108,10 +112,7 @@ class _SoakState(State):
         class _Quiet:
             def update(self, n):
                 pass
-        try:    # write + fsync as each request finishes: a crash of the soak loses nothing
-            super().__init__(writer, _Quiet(), inline=True)
-        except TypeError:   # a State without the writer-thread option writes inline anyway
-            super().__init__(writer, _Quiet())
+        super().__init__(writer, _Quiet(), inline=True)   # write + fsync as each request finishes
         self.counter, self.round, self.on_done, self.deadline = counter, round_, on_done, deadline
 
     def done(self, tr) -> None:
@@ -182,8 +183,8 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
     out = Path(out_dir) if out_dir else cache_dir() / "runs" / f"{stamp}_{label or 'soak'}"
     interval_s = interval_s or default_interval(duration_s)
-    load = {"pattern": "poisson" if rate_rps else "concurrency", "concurrency": concurrency,
-            "rate_rps": rate_rps, "seed": seed, "warmup": 0, "max_duration_s": duration_s,
+    load = {"pattern": "poisson" if rate_rps else "concurrency", "concurrency": concurrency, "rate_rps": rate_rps,
+            "per_user_order": not rate_rps, "seed": seed, "warmup": 0, "max_duration_s": duration_s,
             "executor": "asyncio+httpx", "soak": True}
     manifest = {"label": label or "soak", "engine": engine.describe(), "model": engine.model,
                 "sampling": base[0].sampling(), "load": load, "workload": wl.describe(),
@@ -226,7 +227,8 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
                for k in kill_at_s if sup]
     counter, addr, rnd, stop = itertools.count(), server_address(engine), 0, None
     n_cap = 100_000
-    reqs = _Lazy(n_cap, lambda i: base[i % len(base)])
+    pos = (lambda i: i % len(base)) if rate_rps else (lambda i: user_position(i, len(base), concurrency))
+    reqs = _Lazy(n_cap, lambda i: base[pos(i)])
     offsets = None
     if rate_rps:
         offsets = [float(o) for o in poisson_schedule(min(n_cap, int(rate_rps * duration_s) + 1), rate_rps, seed)]
@@ -238,13 +240,13 @@ def soak(server, workload: Workload | None = None, *, duration_s: float = 120.0,
         while (left := duration_s - (time.perf_counter() - t0)) > 0:
             st = _SoakState(writer, counter, rnd, tally, deadline=t0 + duration_s)
             tags = _Lazy(n_cap, lambda i: {"pattern": load["pattern"], "concurrency": concurrency,
-                                           "req_index": i % len(base)})
+                                           "req_index": pos(i), **({} if rate_rps else {"user": i % concurrency})})
             round_reqs, offs = reqs, None
             if offsets is not None:   # the open loop resumes its schedule where it is now
                 offs = [o - (duration_s - left) for o in offsets if o >= duration_s - left]
                 round_reqs = _Lazy(len(offs), lambda i: base[i % len(base)])
             if loop_in_thread(lambda: run_async(engine, round_reqs, offs, concurrency, 256, left, [],
-                                                st, addr, tags)):
+                                                st, addr, tags, lanes=offs is None)):
                 stop = "interrupted"
                 break
             if st.server_error is not None:

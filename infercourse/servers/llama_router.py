@@ -31,13 +31,12 @@ may change (threads, context, slots, idle sleep) goes in `[*]` here, and the com
 keeps only what the router itself reads. `LLAMA_CACHE` points at an empty folder so the
 router lists our presets only, not models some other tool downloaded.
 
-Combining with the replicas of notebook 16 (`servers.router`): the router only forwards to
-the children it spawned from its presets (no external upstream), so model routing cannot sit
-*in front of* a replica group. The other order works (`RouterReplicas`): R routers, each
-serving every model, behind sglang-router, which forwards the body (its `model` field
-included) unchanged (tried: round-robin over two routers served Haiku and Sonnet names, and an
-unknown name got the router's 400). Its policies ignore the model, so each replica loads
-every model it is sent: R x the memory, or swaps at models_max 1.
+Combining with the replicas of notebook 16: the router only forwards to the children it
+spawned from its presets (no external upstream), so model routing cannot sit *in front of*
+a replica group. The other order works (`servers.router.RouterReplicas`).
+
+`course_router` is the course's two models (`course_presets`) at the small sizes its
+lessons run (`ROUTER_DEFAULTS`: one thread, a 1,024-token context, one slot per child).
 """
 from __future__ import annotations
 
@@ -55,12 +54,16 @@ from infercourse.core.errors import ModelLayerError, ServerLayerError
 from infercourse.servers.llama import _gguf, llama_server_binary
 from infercourse.servers.process import Server
 
-__all__ = ["Preset", "LlamaRouter", "RouterReplicas", "course_presets", "preset_ini", "MAIN_ALIASES",
-           "FAST_ALIASES"]
+__all__ = ["Preset", "LlamaRouter", "course_presets", "course_router", "preset_ini", "MAIN_ALIASES",
+           "FAST_ALIASES", "ROUTER_DEFAULTS", "load_times"]
 
 # The names Claude Code sends (its main model, and ANTHROPIC_DEFAULT_HAIKU_MODEL's default)
 MAIN_ALIASES = ("claude-sonnet-4-6", "main-model")
 FAST_ALIASES = ("claude-haiku-4-5", "fast-model")
+_SPAWN = re.compile(r"spawning server instance with name=(\S+) on port (\d+)")
+# a child's own log line, prefixed by its port: "[PORT] M.SS.mmm.uuu ... model loaded"
+_LOADED = re.compile(r"^\[(\d+)\]\s+(\d+)\.(\d+)\.(\d+)\.(\d+)\s.*\bmodel loaded\b")
+ROUTER_DEFAULTS = {"threads": 1, "ctx_size": 1024, "n_parallel": 1}   # the lessons' children
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")   # safe as an INI section and an alias
 
 
@@ -315,56 +318,31 @@ class LlamaRouter(Server):
                              "load_on_startup": p.load_on_startup, "flags": dict(p.flags)} for p in self.presets]}
 
 
-class RouterReplicas:
-    """R LlamaRouters (every model on each) behind one sglang/vllm router, as one unit.
-
-    Args:
-        presets: the models every replica serves; replicas: R.
-        policy, kind: the front router's (see `servers.router.Router`).
-        **router_kw: passed to every LlamaRouter (models_max, threads...).
-    """
-
-    def __init__(self, presets: Sequence[Preset], replicas: int = 2, *, policy: str = "round_robin",
-                 kind: str = "sglang", **router_kw: Any):
-        from infercourse.servers.router import Router
-        self.replicas = [LlamaRouter(presets, **router_kw) for _ in range(replicas)]
-        self.front = Router([r.url for r in self.replicas], kind, policy)
-
-    @property
-    def url(self) -> str:
-        return self.front.url
-
-    def engine(self, model: str | None = None, **kw: Any):
-        """An OpenAIHTTPEngine on the front router for `model` (default: the first preset)."""
-        from infercourse.engines.openai_http import OpenAIHTTPEngine
-        return OpenAIHTTPEngine(self.url, model=model or self.replicas[0].presets[0].name, **kw)
-
-    def start(self) -> "RouterReplicas":
-        try:
-            for s in [*self.replicas, self.front]:
-                s.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        """Front first (no new requests), then every replica; each stop is attempted."""
-        for s in [self.front, *self.replicas]:
-            try:
-                s.stop()
-            except Exception:  # noqa: BLE001 - one failed stop must not leave the others running
-                pass
-
-    def __enter__(self) -> "RouterReplicas":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
 def _rss(pid: int | None) -> int | None:
     try:
         return psutil.Process(pid).memory_info().rss if pid else None
     except psutil.Error:
         return None
+
+
+def course_router(models_max: int, presets: Sequence[Preset] | None = None, **kw: Any) -> LlamaRouter:
+    """A LlamaRouter over `presets` (None: `course_presets()`) at `ROUTER_DEFAULTS`, which
+    `kw` (threads, ctx_size, sleep_idle_s...) overrides; not started."""
+    return LlamaRouter(presets if presets is not None else course_presets(), models_max=models_max,
+                       **{**ROUTER_DEFAULTS, **kw})
+
+
+def load_times(log_text: str) -> pd.DataFrame:
+    """Every model load in a router's log: the model, its child's port, and the child's own
+    clock when it logged "model loaded" (seconds from its start: process start, reading the
+    weights, allocating the KV cache, warm-up)."""
+    import pandas as pd
+    port_model, rows = {}, []
+    for line in log_text.splitlines():
+        if s := _SPAWN.search(line):
+            port_model[s.group(2)] = s.group(1)   # ports are reused: the latest spawn owns it
+        elif m := _LOADED.match(line):
+            mi, se, ms, us = (int(g) for g in m.groups()[1:])
+            rows.append({"model": port_model.get(m.group(1)), "port": int(m.group(1)),
+                         "loaded_s": mi * 60 + se + ms / 1e3 + us / 1e6})
+    return pd.DataFrame(rows, columns=["model", "port", "loaded_s"])

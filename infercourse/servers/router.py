@@ -27,6 +27,7 @@ sglang-router: `Router` gives it a free port on 127.0.0.1.
 
 `ReplicaGroup` starts the replicas and the router as one unit and stops them together
 (`with ReplicaGroup(...) as g: g.url`); `infercourse serve llama --replicas R` runs one.
+`RouterReplicas` does the same with llama-server routers (several models each) as replicas.
 """
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ from typing import Any, Sequence
 
 from infercourse.core.errors import BackendMissingError, ServerLayerError
 from infercourse.servers.llama import LlamaServer
+from infercourse.servers.llama_router import LlamaRouter, Preset
 from infercourse.servers.process import HOST, Server, free_port
 
-__all__ = ["ROUTERS", "POLICIES", "AFFINITY_HEADER", "Router", "ReplicaGroup", "router_installed"]
+__all__ = ["ROUTERS", "POLICIES", "AFFINITY_HEADER", "Router", "ReplicaGroup", "RouterReplicas", "router_installed"]
 
 ROUTERS = {"sglang": "sglang_router", "vllm": "vllm_router"}   # kind -> Python module
 POLICIES = {
@@ -210,3 +212,57 @@ class ReplicaGroup:
         return {"router": self.router.name, "policy": self.router.policy, "retries": self.router.retries,
                 "replicas": [{"url": s.url, "n_parallel": s.n_parallel, "ctx_size": s.ctx_size,
                               "model": str(s.model_path)} for s in self.replicas]}
+
+
+class RouterReplicas:
+    """R LlamaRouters (every model on each) behind one sglang/vllm router, as one unit.
+
+    A llama-server router forwards only to the children it spawned, so model routing cannot
+    sit in front of replicas; this is the other order. sglang-router forwards the body (its
+    `model` field included) unchanged (tried: round-robin over two routers served Haiku and
+    Sonnet names, and an unknown name got the replica router's 400). Its policies ignore the
+    model, so each replica loads every model it is sent: R x the memory, or swaps at
+    models_max 1.
+
+    Args:
+        presets: the models every replica serves; replicas: R.
+        policy, kind: the front router's (see `servers.router.Router`).
+        **router_kw: passed to every LlamaRouter (models_max, threads...).
+    """
+
+    def __init__(self, presets: Sequence[Preset], replicas: int = 2, *, policy: str = "round_robin",
+                 kind: str = "sglang", **router_kw: Any):
+        self.replicas = [LlamaRouter(presets, **router_kw) for _ in range(replicas)]
+        self.front = Router([r.url for r in self.replicas], kind, policy)
+
+    @property
+    def url(self) -> str:
+        return self.front.url
+
+    def engine(self, model: str | None = None, **kw: Any):
+        """An OpenAIHTTPEngine on the front router for `model` (default: the first preset)."""
+        from infercourse.engines.openai_http import OpenAIHTTPEngine
+        return OpenAIHTTPEngine(self.url, model=model or self.replicas[0].presets[0].name, **kw)
+
+    def start(self) -> "RouterReplicas":
+        try:
+            for s in [*self.replicas, self.front]:
+                s.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Front first (no new requests), then every replica; each stop is attempted."""
+        for s in [self.front, *self.replicas]:
+            try:
+                s.stop()
+            except Exception:  # noqa: BLE001 - one failed stop must not leave the others running
+                pass
+
+    def __enter__(self) -> "RouterReplicas":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
