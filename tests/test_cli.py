@@ -86,7 +86,7 @@ def test_prompt_tokens_counted_by_the_servers_tokenize(source, tmp_path, sent_bo
 
 
 def test_prompt_tokens_with_a_tokenizer_file(source, tmp_path, sent_bodies):
-    from infercourse.cli_workload import file_tokenizer as _file_tokenizer
+    from infercourse.cli.workload import file_tokenizer as _file_tokenizer
     from infercourse.models.embedded import embedded_gguf
     gguf = embedded_gguf()
     assert bench_main(common(source.url, tmp_path / "a", "--api", "completions", "--prompt-tokens", "24",
@@ -128,18 +128,42 @@ def test_no_tokenize_no_tokenizer_is_a_clean_error(tmp_path, capsys):
     assert not (tmp_path / "a").exists()                 # never ran with a wrong count
 
 
-# -- --api-key ---------------------------------------------------------------------------------
+# -- the key: from a file or the environment, never from argv ------------------------------------
 def test_api_key_sent_never_written(tmp_path, capsys, monkeypatch):
+    for var in ("INFERCOURSE_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
     key = "sk-test-" + os.urandom(8).hex()
+    (tmp_path / "key").write_text(key + "\n")
     with SSESource(api_key=key) as src:
         assert bench_main(common(src.url, tmp_path / "no-key")) == 1      # 401: a clean error
         assert "401" in capsys.readouterr().err
-        assert bench_main(common(src.url, tmp_path / "flag", "--api-key", key)) == 0
+        assert bench_main(common(src.url, tmp_path / "file", "--api-key-file", str(tmp_path / "key"))) == 0
+        monkeypatch.setenv("INFERCOURSE_API_KEY", key)                  # a room's key, as serve reads it
+        assert bench_main(common(src.url, tmp_path / "room")) == 0
+        monkeypatch.delenv("INFERCOURSE_API_KEY")
         monkeypatch.setenv("OPENAI_API_KEY", key)
         assert bench_main(common(src.url, tmp_path / "env")) == 0
     assert "3 ok" in capsys.readouterr().out
-    for run in ("flag", "env"):
+    for run in ("file", "room", "env"):
         assert key not in all_text(tmp_path / run)
+
+
+@pytest.mark.parametrize("flag", [["--api-key", "sk-on-argv"], ["--api-key=sk-on-argv"]])
+def test_a_key_on_benchs_command_line_is_refused(tmp_path, capsys, flag):
+    """`ps` shows every user of the machine bench's argv: the key is refused there, before
+    anything is sent, and the message says where it goes instead."""
+    with pytest.raises(SystemExit) as e:
+        bench_main(["--engine", "http", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "a"), *flag])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "visible to every user" in err and "--api-key-file" in err
+    assert not (tmp_path / "a").exists()
+
+
+def test_api_key_file_must_hold_one_key(tmp_path, capsys):
+    (tmp_path / "two").write_text("a\nb\n")
+    with pytest.raises(SystemExit):
+        bench_main(["--engine", "http", "--url", "http://127.0.0.1:9", "--api-key-file", str(tmp_path / "two")])
+    assert "--api-key-file" in capsys.readouterr().err
 
 
 @pytest.mark.slow

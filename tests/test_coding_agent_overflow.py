@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from infercourse.core.errors import ContextLayerError
-from infercourse.lessons import coding_agent
+from infercourse.lessons import coding_agent, coding_agent_claims
 
 
 class _WindowStandIn:
@@ -72,12 +72,12 @@ def test_summary_lines_follow_the_cache_table_and_the_api_ratio():
                          index=["header fixed", "buster"])
     per_api = pd.DataFrame({"prompt_tokens": [1.0], "cached_tokens": [1.0], "ttft_s": [1.1]},
                            index=["anthropic / openai"])
-    text = coding_agent.summary_lines(table, per_api)
+    text = coding_agent_claims.summary_lines(table, per_api)
     assert "reused **90%**" in text and "**4.2×**" in text and "The cache was busted." in text
     assert "the same prompt tokens" in text and "and the same cached tokens" in text
     table.loc["buster", "cached_share"] = 0.8
     per_api.loc["anthropic / openai", ["prompt_tokens", "cached_tokens"]] = [1.2, 1.15]
-    text = coding_agent.summary_lines(table, per_api)
+    text = coding_agent_claims.summary_lines(table, per_api)
     assert "did not halve the reuse" in text and "different prompt tokens" in text and "cached counts differ" in text
 
 
@@ -85,11 +85,11 @@ def test_prefill_sentence_says_what_each_prefill_did():
     import pandas as pd
     rows = pd.DataFrame([{"prefill": '<tool_call>\n{"name"', "tool_use": {"path": "a.py"}, "stop_reason": "tool_use", "error": None},
                          {"prefill": "…</tool_call>", "tool_use": None, "stop_reason": None, "error": "API: bad parse"}])
-    text = coding_agent.prefill_sentence(rows)
+    text = coding_agent_claims.prefill_sentence(rows)
     assert "opening of a call: the server's parser streamed a **tool_use** block {'path': 'a.py'}" in text
     assert "complete call: the stream ended in an **error** (API: bad parse)" in text
     rows.loc[1, "error"] = None
-    assert "**no tool_use** block and no error" in coding_agent.prefill_sentence(rows)
+    assert "**no tool_use** block and no error" in coding_agent_claims.prefill_sentence(rows)
 
 
 class _CountMessages:
@@ -124,3 +124,42 @@ def test_cold_ttft_at_sends_every_repeat_with_a_header_never_sent_before(monkeyp
     system = [str(r.messages[0]) for r in sent]
     assert len(set(system)) == 3, "each repeat must differ at the header, or the second is served warm"
     assert all(len(r.messages) == len(sent[0].messages) for r in sent)
+
+
+def test_the_printed_settings_name_the_servers_window():
+    """Without CLAUDE_CODE_MAX_CONTEXT_TOKENS the pinned Claude Code assumes 1,000,000 tokens for
+    a model it does not know: the settings 19 prints carry the window they were given."""
+    import json
+    for window in (8192, 32768):
+        text = coding_agent.claude_code_settings("http://127.0.0.1:8", window)
+        env = json.loads(text[:text.index("\n\n")])["env"]
+        assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(window) and "doctor agent http://127.0.0.1:8" in text
+
+
+def test_both_predict_guesses_are_scored_against_the_run():
+    import pandas as pd
+    table = pd.DataFrame({"cached_share": [0.9, 0.05], "ttft_p50_s": [0.5, 2.0]}, index=["fixed", "buster"])
+    g = coding_agent.guesses(table, ceiling=10.0)
+    assert set(g) == {"MY_GUESS_CACHED_SHARE", "MY_GUESS_TTFT_RATIO"}
+    assert g["MY_GUESS_CACHED_SHARE"][:2] == (0.9, 0.9) and g["MY_GUESS_TTFT_RATIO"][:2] == (10.0, 4.0)
+
+
+
+@pytest.mark.parametrize("notebook, aliases", [
+    ("19_coding_agent", {"ca": "coding_agent", "cc": "coding_agent_claims"}),
+    ("20_real_coding_agent", {"ra": "real_agent", "rs": "real_agent_session", "rc": "real_agent_claims",
+                              "ce": "context_extension"})])
+def test_every_lesson_name_a_notebook_calls_exists(notebook, aliases):
+    """A lesson split in two moves names: each `alias.name` a notebook's code uses must be there
+    (the notebook run finds a missing one only minutes in)."""
+    import importlib
+    import json
+    import re
+    from pathlib import Path
+    nb = json.loads((Path(__file__).parents[1] / "notebooks" / f"{notebook}.ipynb").read_text())
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    used = set(re.findall(rf"\b({'|'.join(aliases)})\.([A-Za-z_]\w*)", code))
+    assert used
+    missing = [f"{a}.{n}" for a, n in sorted(used)
+               if not hasattr(importlib.import_module(f"infercourse.lessons.{aliases[a]}"), n)]
+    assert not missing, missing

@@ -8,15 +8,20 @@ in time; elsewhere those tests skip with the reason.
 """
 from __future__ import annotations
 
+import errno
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from infercourse.core.errors import AgentLayerError
 from infercourse.lessons import real_agent as ra
+from infercourse.lessons import real_agent_claims as rc
+from infercourse.lessons import real_agent_session as rs
 from infercourse.ops import agent_doctor, agents, netns
 from infercourse.ops.agent_anatomy import first_difference, parts
 from infercourse.ops.agent_capture import SSEWatcher, api_of
@@ -116,7 +121,26 @@ def test_wrap_refuses_without_a_namespace_unless_asked(monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
     with pytest.raises(AgentLayerError, match="loopback-only network namespace"):
         netns.wrap(["agent"])
-    assert netns.wrap(["agent"], allow_host_network=True) == ["agent"]
+    assert netns.wrap(["agent"], host_network=True) == ["agent"]
+
+
+def test_host_network_means_no_unshare_where_a_namespace_could_be_made(monkeypatch):
+    """--no-netns is the host's network, not a namespace whose loopback nobody brings up (in
+    which llama-server never becomes healthy): no `unshare` at all, and the child is told so."""
+    monkeypatch.setattr(netns, "why_not", lambda: None)
+    monkeypatch.setattr(netns, "_unshare_argv", lambda: ["unshare", "-n"])
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert netns.wrap(["agent"]) == ["unshare", "-n", "agent"] and netns.isolates(False)
+    assert netns.wrap(["agent"], host_network=True) == ["agent"] and not netns.isolates(True)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert netns.wrap(["agent"]) == ["agent"] and not netns.isolates(False)
+
+
+def test_the_manifest_names_the_host_network_and_why(tmp_path):
+    from infercourse.ops.agent_lab_child import _host_words
+    spec = LabSpec(str(tmp_path), [Task("t", "stand-in", "hi")], host_network=True)
+    assert _host_words(spec).startswith("host (no namespace: --no-netns")
+    assert "--no-netns" not in _host_words(LabSpec(str(tmp_path), [Task("t", "stand-in", "hi")]))
 
 
 def test_run_lab_refuses_before_starting_anything(monkeypatch, tmp_path):
@@ -129,24 +153,108 @@ def test_run_lab_refuses_before_starting_anything(monkeypatch, tmp_path):
 
 @needs_netns
 def test_the_namespace_holds_only_loopback():
+    """No route out: connecting to TEST-NET-1 fails at once with ENETUNREACH. On an ordinary
+    host the same connect times out instead (or is refused), so the errno is what proves it."""
     probe = ("from infercourse.ops import netns; netns.bring_up_loopback(); netns.assert_only_loopback(); "
              "import socket; s = socket.socket(); s.settimeout(3)\n"
-             "try:\n    s.connect(('192.0.2.1', 80)); print('REACHED')\nexcept OSError as e:\n    print('UNREACHABLE', e)")
+             "try:\n    s.connect(('192.0.2.1', 80)); print('REACHED')\n"
+             "except OSError as e:\n    print('ERRNO', e.errno)")
     out = subprocess.run(netns.wrap([sys.executable, "-c", probe]), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("UNREACHABLE")      # TEST-NET-1: no route out of the namespace
+    assert out.stdout.split() == ["ERRNO", str(errno.ENETUNREACH)], out.stdout
 
 
 def test_sealed_env_keeps_the_users_environment_and_keys_out(monkeypatch, tmp_path):
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-real-key")
     monkeypatch.setenv("SECRET_OF_THE_USER", "x")
-    env = agents.sealed_env(tmp_path / "home", {"ANTHROPIC_BASE_URL": "http://127.0.0.1:1"})
+    env = agents.sealed_env(tmp_path / "home", route={"ANTHROPIC_BASE_URL": "http://127.0.0.1:1"})
     assert env["HOME"] == str(tmp_path / "home") and env["ANTHROPIC_API_KEY"] == agents.DUMMY_KEY
     assert "SECRET_OF_THE_USER" not in env and env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
     assert env["DISABLE_AUTOUPDATER"] == "1"
     for k in ("HOME", "ANTHROPIC_API_KEY", "OPENAI_API_KEY"):
         with pytest.raises(AgentLayerError):
             agents.sealed_env(tmp_path / "h2", {k: "x"})
+    # the lab's route is set last: the proxy's URL is what the agent gets
+    routed = agents.sealed_env(tmp_path / "h3", {"ANTHROPIC_MODEL": "m"}, route={"ANTHROPIC_BASE_URL": "http://127.0.0.1:2"})
+    assert routed["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:2" and routed["ANTHROPIC_MODEL"] == "m"
+
+
+@pytest.mark.parametrize("name", ["ANTHROPIC_BASE_URL", "OPENAI_BASE_URL", "ANTHROPIC_BEDROCK_BASE_URL", "HTTPS_PROXY",
+                                  "https_proxy", "ALL_PROXY", "NO_PROXY", "CLAUDE_CONFIG_DIR", "CODEX_HOME",
+                                  "CLAUDE_CODE_USE_BEDROCK"])
+def test_a_task_cannot_move_the_agent_off_the_recording_proxy(name, tmp_path):
+    """A base URL, a proxy variable or a config folder in a task's env would send calls past the
+    proxy ("every call captured" would not hold): refused by name, in the agent layer, before
+    anything starts."""
+    with pytest.raises(AgentLayerError, match=name) as e:
+        run_lab(LabSpec(str(tmp_path / "run"), [Task("t", "stand-in", "hi", env={name: "http://127.0.0.1:1"})]))
+    assert e.value.layer == "agent" and "recording proxy" in str(e.value)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(AgentLayerError):
+        agents.sealed_env(tmp_path / "h", {name: "x"})
+    agents.check_env({"CLAUDE_CODE_ATTRIBUTION_HEADER": "0", "API_TIMEOUT_MS": "1000"})   # the task's own settings pass
+
+
+def test_agent_run_cli_refuses_an_env_that_moves_the_route(tmp_path, capsys):
+    from infercourse.cli.agent import agent_main
+    rc = agent_main(["run", "--agent", "stand-in", "--task", "x", "--out", str(tmp_path / "run"),
+                     "--env", "ANTHROPIC_BASE_URL=http://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "ANTHROPIC_BASE_URL" in err and "(agent layer)" in err
+    assert not (tmp_path / "run").exists()
+
+
+# -- the install: the lock's packages, scripts off ---------------------------------------------
+def _fake_install(root, *, native=True, placeholder=True):
+    """The tree `npm ci --ignore-scripts` leaves: Claude Code's placeholder, its platform package."""
+    nm = root / "node_modules"
+    for agent, (pkg, exe) in agents._PKG.items():
+        (nm / pkg).mkdir(parents=True, exist_ok=True)
+        (nm / pkg / "package.json").write_text(json.dumps({"version": agents.PINS[agent]}))
+    (nm / ".bin").mkdir(exist_ok=True)
+    (nm / ".bin" / "codex").write_text("#!/usr/bin/env node\n")
+    if placeholder:
+        (nm / ".bin" / "claude").write_text("placeholder: the postinstall never ran")
+    if native:
+        plat = nm / "@anthropic-ai" / "claude-code-linux-x64"
+        plat.mkdir(parents=True)
+        (plat / "claude").write_text("native")
+        (plat / "package.json").write_text("{}")
+
+
+def test_install_runs_npm_ci_with_scripts_off(monkeypatch, tmp_path):
+    """npm runs on the host network, outside any namespace: no install script may run there."""
+    monkeypatch.setattr(agents, "agents_dir", lambda: tmp_path)
+    monkeypatch.setattr(agents.shutil, "which", lambda name: "/usr/bin/" + name)
+    ran = []
+
+    def npm(argv, cwd, **kw):
+        ran.append(argv)
+        _fake_install(Path(cwd))
+        return subprocess.CompletedProcess(argv, 0, "", "")
+    monkeypatch.setattr(agents.subprocess, "run", npm)
+    assert "install scripts off" in agents.install()
+    assert ran and ran[0][:2] == ["npm", "ci"] and "--ignore-scripts" in ran[0]
+
+
+def test_claude_code_runs_from_its_platform_package(monkeypatch, tmp_path):
+    """With scripts off, bin/claude stays a placeholder: the lab runs the platform package's binary."""
+    monkeypatch.setattr(agents, "agents_dir", lambda: tmp_path)
+    _fake_install(tmp_path)
+    assert agents.binary("claude-code") == tmp_path / "node_modules/@anthropic-ai/claude-code-linux-x64/claude"
+    assert agents.binary("codex") == tmp_path / "node_modules/.bin/codex" and agents.missing_reason("codex") is None
+    (tmp_path / "node_modules/@anthropic-ai/claude-code-linux-x64/claude").unlink()
+    assert agents.binary("claude-code") is None and "not installed" in agents.missing_reason("claude-code")
+
+
+def test_the_node_version_named_is_the_locks(monkeypatch, tmp_path):
+    lock = json.loads((agents.SPEC_DIR / "package-lock.json").read_text())["packages"]
+    want = {a: lock[f"node_modules/{pkg}"]["engines"]["node"] for a, (pkg, _) in agents._PKG.items()}
+    assert agents.node_needed() == want
+    monkeypatch.setattr(agents, "agents_dir", lambda: tmp_path)
+    monkeypatch.setattr(agents.shutil, "which", lambda name: None)
+    for text in (agents.missing_reason("claude-code"), agents.install()):
+        assert all(f"{r} for {a}" in text for a, r in want.items()) and ">= 20" not in text
 
 
 def test_codex_config_is_toml_with_one_local_provider():
@@ -225,21 +333,40 @@ def _tab(**rows):
     return pd.DataFrame(rows).T
 
 
+def _says(text: str, phrase: str) -> bool:
+    return re.search(rf"\b{re.escape(phrase)}\b", text) is not None
+
+
 def test_cold_warm_sentence_flips_with_the_aa_spread():
     base = dict(evaluated_tokens=1000, prompt_tokens=1000)
     tab = _tab(cold={**base, "ttft_s": 20.0}, warm={**base, "ttft_s": 1.0}, again={**base, "ttft_s": 1.1})
-    assert "beyond it" in ra.cold_warm_sentence(tab, "cold", "warm", "again")
+    s = rc.cold_warm_sentence(tab, "cold", "warm", "again")
+    assert _says(s, "beyond it") and _says(s, "20x faster warm")
     close = _tab(cold={**base, "ttft_s": 1.2}, warm={**base, "ttft_s": 1.0}, again={**base, "ttft_s": 1.5})
-    assert "within it" in ra.cold_warm_sentence(close, "cold", "warm", "again")
+    s = rc.cold_warm_sentence(close, "cold", "warm", "again")
+    assert _says(s, "within it") and not _says(s, "faster") and not _says(s, "slower")
+
+
+@pytest.mark.parametrize("cold, fold, word", [(1.3, "1.3x", "faster"), (0.5, "2.0x", "slower"), (0.25, "4.0x", "slower"),
+                                              (30.0, "30x", "faster")])
+def test_cold_warm_sentence_names_the_fold_both_ways(cold, fold, word):
+    """A ratio of 1.2-1.49 is not "1x", and a slower warm call is its inverse, never "0x slower"."""
+    base = dict(evaluated_tokens=1000, prompt_tokens=1000)
+    tab = _tab(cold={**base, "ttft_s": cold}, warm={**base, "ttft_s": 1.0}, again={**base, "ttft_s": 1.0})
+    s = rc.cold_warm_sentence(tab, "cold", "warm", "again")
+    assert _says(s, f"{fold} {word} warm"), s
+    assert not re.search(r"(?<![\d.])[01]x\b", s) and _says(s, "beyond it")   # never a bare "0x" or "1x"
 
 
 def test_header_sentence_flips():
     on = dict(evaluated_tokens=900, prompt_tokens=1000, first_diff="system 0")
     off = dict(evaluated_tokens=20, prompt_tokens=1000, first_diff="message 0 (user)")
-    assert "More with the header on" in ra.header_sentence(_tab(on=on, off=off), "on", "off")
-    assert "Fewer with the header on" in ra.header_sentence(_tab(on=off, off=on), "on", "off")
+    assert _says(rc.header_sentence(_tab(on=on, off=off), "on", "off"), "More with the header on")
+    assert _says(rc.header_sentence(_tab(on=off, off=on), "on", "off"), "Fewer with the header on")
+    same = rc.header_sentence(_tab(on=on, off=dict(off, evaluated_tokens=900)), "on", "off")
+    assert _says(same, "As many with the header on as off") and not re.search(r"\b(More|Fewer)\b", same)
     unknown = dict(off, prompt_tokens=float("nan"))
-    assert "gave no prompt size" in ra.header_sentence(_tab(on=on, off=unknown), "on", "off")
+    assert "gave no prompt size" in rc.header_sentence(_tab(on=on, off=unknown), "on", "off")
 
 
 def test_claude_window_limits_follow_the_pinned_arithmetic():
@@ -256,14 +383,14 @@ def test_compaction_plan_sizes_the_window_and_its_sentence_flips(monkeypatch):
     # as is, the session outgrows the window halfway through its last paste
     assert big["window"] == up(800 + 5 * 4000 + 2000) and big["last_turn"] > big["window"]
     assert big["compacts_above"] == big["window"] - 13064 > big["first_turn"]
-    s = ra.plan_sentence(big)
+    s = rc.plan_sentence(big)
     assert "outgrows the server in its last turn" in s and "compacts once the session has grown" in s
     # short pastes: the window is set by the told agent's refusal limit, above the whole session
     small = ra.compaction_plan(800, 2, 200, max_output=64, room=1000, count=words)
     assert small["window"] == up(800 + 200 + 1000 + 3064) and small["refuses_above"] >= 2000
-    s = ra.plan_sentence(small)
+    s = rc.plan_sentence(small)
     assert "does not outgrow this server" in s and "compacts at every call" in s
-    assert "refuses to send at all" in ra.plan_sentence({**small, "refuses_above": 900})
+    assert "refuses to send at all" in rc.plan_sentence({**small, "refuses_above": 900})
     assert ra.told_env(big) == {"CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(big["window"])}
 
 
@@ -278,16 +405,15 @@ def _session_run(monkeypatch, message_tokens, prompts, errors, tasks, diffs=None
                           "status": ["error" if e else "ok" for e in errors], "error": errors,
                           "prompt_tokens": prompts, "cached_tokens": 0, "output_tokens": 8, "stop_reason": "end_turn",
                           "first_diff": [d for d, _ in diffs], "tokens_before_diff": [k for _, k in diffs]})
-    monkeypatch.setattr(ra, "calls_table", lambda out: calls)
+    monkeypatch.setattr(rs, "calls_table", lambda out: calls)
     turns = pd.DataFrame({"task": [t for t, _ in tasks], "exit": [0 if k else 1 for _, k in tasks],
                           "terminal_reason": [None if k else "blocking_limit" for _, k in tasks],
                           "assumed_context_window": [{"m": 1_000_000}] * len(tasks), "query_sources": [["sdk"]] * len(tasks)})
-    monkeypatch.setattr(ra, "tasks_table", lambda out: turns)
-    from infercourse.ops import agent_lab
-    monkeypatch.setattr(agent_lab, "anatomy", lambda out: [
+    monkeypatch.setattr(rs, "tasks_table", lambda out: turns)
+    monkeypatch.setattr(rs, "anatomy", lambda out: [
         {"request_id": i, "parts": [{"kind": "tool", "tokens": 500}, {"kind": "message", "tokens": m}]}
         for i, m in enumerate(message_tokens)])
-    return ra.session_view("unused")
+    return rs.session_view("unused")
 
 
 def _two_sessions(monkeypatch):
@@ -320,25 +446,25 @@ def test_session_view_marks_the_rewrite_and_the_refusals(monkeypatch):
 def test_compaction_sentence_flips_with_what_each_session_did(monkeypatch):
     as_is, told = _two_sessions(monkeypatch)
     told = told.iloc[:-1]
-    s = ra.compaction_sentence(as_is, told, 9000)
+    s = rc.compaction_sentence(as_is, told, 9000)
     assert "the server refused 1 of its 4 calls, the first in t3" in s and "its history was never rewritten" in s
     assert "rewrote its history 1 time(s), first in t2, and the prompt dropped: 5,900 tokens on the call before, " \
            "2,000 on the rewritten call" in s
     assert s.endswith("the server refused none of its calls; as is, the server refused the session.")
     never_full = as_is.iloc[:-1]
-    assert "does not show a refusal that compaction prevented" in ra.compaction_sentence(never_full, told, 9000)
+    assert "does not show a refusal that compaction prevented" in rc.compaction_sentence(never_full, told, 9000)
     no_compaction = told.assign(rewrote_history=False)
-    assert "did not compact in this run" in ra.compaction_sentence(as_is, no_compaction, 9000)
+    assert "did not compact in this run" in rc.compaction_sentence(as_is, no_compaction, 9000)
     late = _session_run(monkeypatch, [2000, 4000, 8600, 3000], [2500, 4500, None, 3500],
                         [None, None, "request (9100 tokens) exceeds the available context size (9000 tokens)", None],
                         [("t0", 1), ("t1", 1), ("t2", 2)])
     assert s.endswith("as is, the server refused the session.")
-    assert ra.compaction_sentence(late, told, 9000).endswith(
+    assert rc.compaction_sentence(late, told, 9000).endswith(
         "as is, the server refused the session, and the agent compacted only after that refusal.")
     grew_back = told.assign(prompt_tokens=[2500, 4500, 5900, 6000, 7000])
-    assert "the prompt did not drop" in ra.compaction_sentence(as_is, grew_back, 9000)
+    assert "the prompt did not drop" in rc.compaction_sentence(as_is, grew_back, 9000)
     started = no_compaction.assign(compact_logged=no_compaction["turn"] == "t2", ended=["ok"] * 4 + ["timeout"])
-    s = ra.compaction_sentence(as_is, started, 9000)
+    s = rc.compaction_sentence(as_is, started, 9000)
     assert "logged a compaction query in t2, but no call started from a summary" in s
     assert "1 turn(s) hit the task's time bound" in s and "did not finish a compaction in this run" in s
 
@@ -353,9 +479,34 @@ def test_amplification_counts_identical_resends_of_the_first_request(tmp_path, m
     tab = ra.amplification(tmp_path)
     assert tab.loc["short", "copies"] == 3 and tab.loc["short", "amplification"] == 3.0
     assert tab.loc["long", "copies"] == 1 and tab.loc["long", "amplification"] == 1.0
-    s = ra.amplification_sentence(tab, "short", "long")
-    assert "3 copies of its first request, 1 answered" in s and "(3.0x)" in s
-    assert "its first request once (no retry)" in s and "(1.0x)" in s
+    s = rc.amplification_sentence(tab, "short", "long")
+    assert "short timeout the agent sent 3 copies of its first request, 1 answered" in s and "(3.0x)" in s
+    assert "long one it sent its first request once (no retry)" in s and "(1.0x)" in s
+    flipped = rc.amplification_sentence(tab, "long", "short")      # the numbers the other way round
+    assert "short timeout the agent sent its first request once (no retry)" in flipped
+    assert "long one it sent 3 copies of its first request" in flipped
+
+
+def test_amplification_sizes_a_request_no_copy_answered(tmp_path, monkeypatch):
+    """A client that gave up on every copy leaves no usage: the size comes from the server's
+    refusal where it named one, else from the captured body's parts, and the sentence says so."""
+    refusal = "request (1200 tokens) exceeds the available context size (1024 tokens)"
+    calls = pd.DataFrame({"request_id": [0, 1, 2, 3], "task": ["cut", "cut", "refused", "refused"], "api": "anthropic",
+                          "first_diff": ["first call", "identical", "first call", "identical"],
+                          "status": ["error"] * 4, "error": ["timeout", "timeout", refusal, refusal],
+                          "prompt_tokens": [None] * 4, "evaluated_tokens": [900, 900, 0, 0]})
+    monkeypatch.setattr(ra, "calls_table", lambda out: calls)
+    monkeypatch.setattr(ra, "anatomy", lambda out: [{"request_id": 0, "parts": [{"tokens": 600}, {"tokens": 300}]}])
+    tab = ra.amplification(tmp_path)
+    assert tab.loc["cut", "request_tokens"] == 900 and tab.loc["cut", "size_from"] == "request body"
+    assert tab.loc["cut", "amplification"] == 2.0
+    assert tab.loc["refused", "request_tokens"] == 1200 and tab.loc["refused", "size_from"] == "server refusal"
+    s = rc.amplification_sentence(tab, "cut", "refused")
+    assert "counted from the captured body: no copy was answered) (2.0x)" in s
+    assert "the size the server's refusal named" in s
+    monkeypatch.setattr(ra, "anatomy", lambda out: [])
+    none = ra.amplification(tmp_path)
+    assert none["amplification"].isna()["cut"] and "no amplification computed" in rc.amplification_sentence(none, "cut", "refused")
 
 
 # -- the lab, end to end, with the stand-in agent on a real llama-server ----------------------
@@ -397,7 +548,7 @@ def test_lab_run_keeps_its_conditions_and_bodies_in_the_results(stand_in_run):
     assert (tasks["exit"] == 0).all() and (tasks["assumed_context_window"].map(lambda d: max(d.values())) > 0).all()
     # the CLI renders it, and so does the generic report
     from infercourse.cli import report_main
-    from infercourse.cli_agent import agent_main
+    from infercourse.cli.agent import agent_main
     assert agent_main(["report", str(stand_in_run)]) == 0
     assert report_main([str(stand_in_run)]) == 0
 
@@ -519,15 +670,31 @@ def test_doctor_agent_cli_refuses_a_remote_url_before_any_traffic(capsys):
 @pytest.mark.slow
 @needs_netns
 def test_agent_run_cli_with_the_stand_in(tmp_path, capsys):
-    from infercourse.cli_agent import agent_main
+    from infercourse.cli.agent import agent_main
     out = tmp_path / "run"
     assert agent_main(["run", "--agent", "stand-in", "--task", "Say hello.", "--ctx", "1024", "--out", str(out),
                        "--env", "STANDIN_MAX_TOKENS=4"]) == 0
     printed = capsys.readouterr().out
     assert "first call" in printed and f"results: {out}" in printed
+    assert "network: loopback-only (interfaces: lo)" in printed
     assert json.loads((out / "manifest.json").read_text())["network"]["namespace"] == "loopback-only"
     with pytest.raises(SystemExit):
         agent_main(["run", "--agent", "stand-in", "--task", "x", "--env", "NOEQUALS"])
+
+
+@pytest.mark.slow
+def test_agent_run_cli_with_no_netns_runs_on_the_host_and_says_so(tmp_path, capsys):
+    """--no-netns where a namespace could be made: no unshare (the server becomes healthy on the
+    host's loopback, the stand-in's call is answered), and the output and manifest say host."""
+    from infercourse.cli.agent import agent_main
+    out = tmp_path / "run"
+    assert agent_main(["run", "--agent", "stand-in", "--task", "Say hello.", "--ctx", "1024", "--out", str(out),
+                       "--env", "STANDIN_MAX_TOKENS=4", "--no-netns"]) == 0
+    printed = capsys.readouterr().out
+    assert "network: host (no namespace: --no-netns" in printed
+    net = json.loads((out / "manifest.json").read_text())["network"]
+    assert net["namespace"].startswith("host (no namespace: --no-netns") and net["interfaces"] == netns.interfaces()
+    assert (calls_table(out)["status"] == "ok").all()
 
 
 def test_an_exercise_rerun_gets_a_fresh_lab_folder(tmp_path):

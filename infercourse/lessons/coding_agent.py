@@ -15,7 +15,8 @@ shape meets four failure points, each measured here on llama-server through `/v1
 
 Every number comes from the engines and metrics every other notebook uses
 (`AnthropicHTTPEngine`, `core.trace.record`), and cached tokens are checked against an
-independent count: llama-server's own `/metrics` counter of prompt tokens it evaluated.
+independent count: llama-server's own `/metrics` counter of prompt tokens it evaluated. The
+sentences that say what a run showed are computed from these tables in `coding_agent_claims`.
 """
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ from infercourse.measure.agent_workload import coding_agent_session
 from infercourse.measure.workloads import DATA_DIR
 from infercourse.ops.probes import parse_metrics
 
-__all__ = ["TOOLS_TEMPLATE", "serve", "prefilled_call", "prefill_sentence", "engines", "request_parts", "run_session",
-           "cache_table", "header_verdicts", "summary_lines", "slot_view", "first_overflow", "ask_more_than_fits", "cold_timeout", "tool_route", "api_agreement",
-           "routes", "claude_code_settings", "plot_calls", "prompt_tokens_at", "cold_ttft_at"]
+__all__ = ["TOOLS_TEMPLATE", "serve", "prefilled_call", "engines", "request_parts", "run_session", "cache_table",
+           "slot_view", "first_overflow", "ask_more_than_fits", "cold_timeout", "tool_route", "api_agreement", "routes",
+           "claude_code_settings", "plot_calls", "prompt_tokens_at", "cold_ttft_at", "guesses"]
 
 # llama-server's counter of prompt tokens it actually evaluated (cache hits excluded)
 EVALUATED = "llamacpp:prompt_tokens_total"
@@ -72,22 +73,6 @@ def prefilled_call(url: str, prefill: str, max_tokens: int = 12) -> dict[str, An
         return {"prefill": prefill, "tool_use": None, "stop_reason": None, "error": f"{e.layer}: {e.message[:120]}"}
     finally:
         eng.close()
-
-
-def prefill_sentence(rows: pd.DataFrame) -> str:
-    """What the `prefilled_call` rows did, in words: for each prefill, a parsed `tool_use`
-    block, an error that ended the stream, or neither."""
-    given = lambda v: v is not None and not (isinstance(v, float) and v != v)   # noqa: E731 (a frame turns None into NaN)
-    out = []
-    for r in rows.itertuples():
-        kind = "a complete call" if "</tool_call>" in r.prefill else "the opening of a call"
-        if given(r.error) and r.error:
-            out.append(f"- Prefilled with {kind}: the stream ended in an **error** ({r.error}).")
-        elif given(r.tool_use):
-            out.append(f"- Prefilled with {kind}: the server's parser streamed a **tool_use** block {r.tool_use}.")
-        else:
-            out.append(f"- Prefilled with {kind}: **no tool_use** block and no error (stop reason {r.stop_reason}).")
-    return "\n".join(out)
 
 
 def engines(url: str, timeout: float = 600.0) -> dict[str, Any]:
@@ -154,45 +139,6 @@ def cache_table(runs: dict[str, pd.DataFrame]) -> pd.DataFrame:
     out = pd.DataFrame(rows).set_index("variant")
     out["ttft_vs_first"] = out["ttft_p50_s"] / out["ttft_p50_s"].iloc[0]
     return out
-
-
-def header_verdicts(table: pd.DataFrame, restored: float = 0.9) -> pd.Series:
-    """Per variant, from the numbers: did the calls after the first reuse about as much of
-    their prompt as the baseline (the first row) did? `restored` is the share of the
-    baseline's cached share that counts as restored. Moving the header behind the static
-    block is not always enough: a chat template renders the tool schemas *after* the system
-    text, so a header at the end of the system prompt still precedes (and busts) the tools."""
-    base = float(table["cached_share"].iloc[0])
-    out = {}
-    for name, share in table["cached_share"].items():
-        share = float(share)
-        out[name] = (f"reuses {share:.0%} of its prompt, as the baseline does ({base:.0%})" if share >= restored * base
-                     else f"still busted: reuses {share:.0%} of its prompt (baseline {base:.0%}); "
-                          f"everything after the changing text is prefilled again")
-    return pd.Series(out, name="verdict")
-
-
-def summary_lines(table: pd.DataFrame, per_api: pd.DataFrame | None = None) -> str:
-    """The Summary's outcome lines, from the numbers: what share of their prompt the later
-    calls reused with a fixed header (the first row) and with the changing one first (the
-    second), the tokens the buster left, its TTFT against the baseline (one run per variant,
-    no A/A floor: reported, not judged), and what the two APIs cost in tokens."""
-    base, bust = table.iloc[0], table.iloc[1]
-    lines = [f"- {table.index[0]}: the calls after the first reused **{base['cached_share']:.0%}** of their prompt.",
-             f"- {table.index[1]}: they reused **{bust['cached_share']:.0%}**, and its median TTFT was "
-             f"**{bust['ttft_vs_first']:.1f}×** the first row's (one run each, no A/A floor: a ratio near 1 is not a "
-             "finding)." + (" The cache was busted." if bust["cached_share"] < base["cached_share"] / 2 else
-                            " The changing header did not halve the reuse here.")]
-    if per_api is not None and "anthropic / openai" in per_api.index:
-        r = per_api.loc["anthropic / openai"]
-        prompt = ("the same prompt tokens: one translation of one request" if abs(r["prompt_tokens"] - 1) < 0.01 else
-                  "different prompt tokens: the two renderings differ, so compare what each template adds")
-        cached = ("and the same cached tokens." if abs(r["cached_tokens"] - 1) < 0.01 else
-                  "the cached counts differ: each request reuses what the slot holds from the request before it in the "
-                  "interleaved order, so read the prompt tokens for what the API itself costs.")
-        lines.append(f"- `/v1/messages` ÷ `/v1/chat/completions`: prompt tokens {r['prompt_tokens']:.2f}, cached "
-                     f"{r['cached_tokens']:.2f}: {prompt}; {cached}")
-    return "\n".join(lines)
 
 
 def slot_view(url: str) -> dict[str, Any]:
@@ -329,7 +275,7 @@ def routes(*, ollama_url: str | None = None, vllm_url: str | None = None,
     return pd.DataFrame(rows)
 
 
-def claude_code_settings(url: str, model: str = "local-model") -> str:
+def claude_code_settings(url: str, window: int, model: str = "local-model") -> str:
     """The settings that point Claude Code at `url`, to paste into ~/.claude/settings.json.
     Printed, never run. Sources: Claude Code's env-vars reference (code.claude.com/docs/en/
     env-vars: ANTHROPIC_BASE_URL, ANTHROPIC_AUTH_TOKEN, ANTHROPIC_API_KEY, ANTHROPIC_MODEL,
@@ -338,12 +284,39 @@ def claude_code_settings(url: str, model: str = "local-model") -> str:
     in `ollama launch claude`; musistudio/claude-code-router PR #1220). llama.cpp PR #21793
     (in this build) normalises only the header's `cch=` field, which Claude Code 2.1.328 no
     longer sends; its per-task `cc_version` suffix still busts the cache (measured with the real
-    client in notebook 20), so the client-side switch is the fix."""
+    client in notebook 20), so the client-side switch is the fix.
+
+    Args:
+        url: the server's root.
+        window: the server's window per slot (`/slots` n_ctx): CLAUDE_CODE_MAX_CONTEXT_TOKENS,
+            without which the pinned Claude Code assumes `agents.CLAUDE_ASSUMED_WINDOW`
+            (1,000,000) for a model id it does not know and never compacts in time.
+        model: the model name the agent sends.
+    """
+    from infercourse.ops.agents import CLAUDE_WINDOW_ENV
     env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": "local", "ANTHROPIC_API_KEY": "",
-           "ANTHROPIC_MODEL": model, "API_TIMEOUT_MS": "600000",
+           "ANTHROPIC_MODEL": model, "API_TIMEOUT_MS": "600000", CLAUDE_WINDOW_ENV: str(int(window)),
            "CLAUDE_CODE_ATTRIBUTION_HEADER": "0", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
-    return (json.dumps({"env": env}, indent=2) + "\n\n# then check the route before starting the agent:\n"
-            f"infercourse doctor layers {url} --api anthropic")
+    return (json.dumps({"env": env}, indent=2) + "\n\n# then check the route, and the window against the agent's "
+            f"first request, before starting the agent:\ninfercourse doctor layers {url} --api anthropic\n"
+            f"infercourse doctor agent {url} --agent claude-code")
+
+
+def guesses(table: pd.DataFrame, ceiling: float) -> dict[str, tuple[float, float, str, str]]:
+    """The Predict step's two guesses by their variables' names, each with what
+    `exercises.score_guess` scores it against: (the back-of-envelope value, the measurement,
+    the unit, what the first is called).
+
+    Args:
+        table: `cache_table` (the fixed header first, the buster second).
+        ceiling: the TTFT ratio a busted call costs if every prompt token cost the same (the
+            mean later prompt over the tokens a warm call adds); a warm call then reuses all
+            but 1/ceiling of its prompt.
+    """
+    busted_over_fixed = float(table["ttft_p50_s"].iloc[1] / table["ttft_p50_s"].iloc[0])
+    return {"MY_GUESS_CACHED_SHARE": (1 - 1 / ceiling, float(table["cached_share"].iloc[0]), "of the prompt",
+                                      "prediction"),
+            "MY_GUESS_TTFT_RATIO": (ceiling, busted_over_fixed, "× the fixed header's TTFT", "ceiling")}
 
 
 def plot_calls(runs: dict[str, pd.DataFrame]):

@@ -8,7 +8,8 @@ stand-in does not:
 
 - **the real first request**: its parts (system blocks, tool schemas, a `role: "system"`
   message), their tokens, and how close the stand-in's shape is;
-- **the overflow**: the default server's window is smaller than the first request;
+- **the overflow**: the default server's window is smaller than the first request (a window
+  that fits, past the model's trained length, costs quality: `context_extension`);
 - **cold against warm**: the same task again reuses the whole prefix;
 - **the per-task header**: the billing header's version suffix depends on the task, so a
   second task re-prefills everything unless `CLAUDE_CODE_ATTRIBUTION_HEADER=0`;
@@ -18,31 +19,31 @@ stand-in does not:
   so a session grows until the server refuses it, unless `CLAUDE_CODE_MAX_CONTEXT_TOKENS`
   tells it the real window (`CLAUDE_CODE_AUTO_COMPACT_WINDOW` cannot: this version reads a
   value under 100,000 as 100,000); whether it then compacts, and what the prompt does after,
-  is read from the captured calls (`session_view`);
+  is read from the captured calls (`real_agent_session.session_view`);
 - **retry amplification**: a client timeout shorter than a cold prefill re-sends the whole
   request, and the server may pay for the prefill again each time.
 
-Every function here builds lab tasks (`ops.agent_lab.Task`) or reads a lab run's folder; the
-sentences that state what a run showed are computed from that run (`*_sentence`).
+Every function here builds lab tasks (`ops.agent_lab.Task`), runs them, or reads a lab run's
+folder into a table. A growing session's calls are read back in `real_agent_session`; the
+sentences that state what a run showed are computed from these tables in `real_agent_claims`.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from infercourse.ops import agents, netns
+from infercourse.ops.agent_anatomy import embedded_counter
 from infercourse.ops.agent_capture import GENERATING_APIS
-from infercourse.ops.agent_lab import EXTEND_CONTEXT, LabSpec, Task, calls_table, run_lab, tasks_table
+from infercourse.ops.agent_lab import (EXTEND_CONTEXT, LabSpec, Task, anatomy, calls_table, refused_size, run_lab,
+                                       tasks_table)
 
-__all__ = ["SIZES", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
-           "versus_stand_in", "evaluated_by_task", "cold_warm_sentence", "header_sentence", "clip_view",
-           "amplification", "amplification_sentence", "extension_cost", "extension_sentence", "session_pastes",
-           "growing_session", "compaction_plan", "told_env", "plan_sentence", "session_view", "compaction_sentence",
-           "doctor_on_fresh_server", "calls_table", "tasks_table", "EXTEND_CONTEXT", "first_request_tokens",
-           "rerun_evaluated"]
+__all__ = ["SIZES", "SHORT_ANSWER", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
+           "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes",
+           "growing_session", "compaction_plan", "told_env", "doctor_on_fresh_server", "calls_table", "tasks_table",
+           "EXTEND_CONTEXT", "first_request_tokens", "rerun_evaluated"]
 
 SHORT_SYSTEM = "You are a coding assistant. Answer in one short sentence."
 # The two sizes: "full" sends the agents' own requests; "ci" shrinks them with the agents' own
@@ -142,7 +143,7 @@ def first_request_tokens(root: str | Path, tools: str, size: str, *, ctx: int, t
     first = _first_call(lab(root, _unused(root, name), [task], ctx=ctx, threads=threads, extend=ctx > 8192,
                             model=model))
     n = first.get("prompt_tokens")
-    return float(n) if pd.notna(n) else _refused_size(first.get("error"))
+    return float(n) if pd.notna(n) else refused_size(first.get("error"))
 
 
 def rerun_evaluated(root: str | Path, size: str, env: dict[str, str], *, ctx: int, threads: int = 1,
@@ -168,7 +169,6 @@ def rerun_evaluated(root: str | Path, size: str, env: dict[str, str], *, ctx: in
 def first_call_parts(out: str | Path, request_id: int = 0) -> pd.DataFrame:
     """Tokens per part of one captured call (default: the first): each system block, each
     tool schema, each message, by the served model's tokenizer."""
-    from infercourse.ops.agent_lab import anatomy
     for a in anatomy(out):
         if a["request_id"] == request_id:
             df = pd.DataFrame(a["parts"])
@@ -184,7 +184,7 @@ def versus_stand_in(real: pd.DataFrame, profile: str = "cpu", count=None) -> pd.
     from infercourse.ops.agent_anatomy import compare_parts, dissect
     req = coding_agent_session(profile=profile, api="anthropic", n_calls=1).requests[0]
     body = _anthropic_body(req)
-    stand = dissect(body, "anthropic", count or _embedded_counter())
+    stand = dissect(body, "anthropic", count or embedded_counter())
     return compare_parts(real, stand, ("real agent", "stand-in"))
 
 
@@ -195,18 +195,6 @@ def _anthropic_body(req) -> dict[str, Any]:
     return eng.body(req)
 
 
-def _embedded_counter():
-    """Token counts by the embedded model's own tokenizer, in process (vocabulary only):
-    the same tokenizer the lab's server counted the real request with."""
-    import functools
-
-    from infercourse.models.embedded import vocab_tokenizer
-    tok = vocab_tokenizer()
-
-    @functools.lru_cache(maxsize=4096)
-    def count(text: str) -> int:
-        return len(tok(text)) - 1 if text else 0   # less the BOS the tokenizer adds
-    return count
 
 
 def evaluated_by_task(out: str | Path) -> pd.DataFrame:
@@ -228,33 +216,8 @@ def evaluated_by_task(out: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("task")
 
 
-def cold_warm_sentence(tab: pd.DataFrame, cold: str, warm: str, again: str) -> str:
-    """What the cold and the two warm runs of one task showed, with the warm pair as the A/A
-    spread (one pair: a range, not an interval)."""
-    c, w, a = (tab.loc[k] for k in (cold, warm, again))
-    aa = max(w["ttft_s"], a["ttft_s"]) / min(w["ttft_s"], a["ttft_s"]) - 1
-    ratio = c["ttft_s"] / w["ttft_s"]
-    beyond = ratio > 1 + aa or ratio < 1 / (1 + aa)
-    return (f"The cold call evaluated {c['evaluated_tokens']:.0f} prompt tokens and waited {c['ttft_s']:.1f} s "
-            f"for its first token; the same task again evaluated {w['evaluated_tokens']:.0f} and waited "
-            f"{w['ttft_s']:.2f} s ({ratio:.0f}x {'faster' if ratio > 1 else 'slower'} warm). The two warm "
-            f"runs differ by {aa:.0%} (one A/A pair: a range, not an interval); the cold/warm ratio is "
-            + ("beyond it." if beyond else "within it: this run cannot tell them apart."))
 
 
-def header_sentence(tab: pd.DataFrame, on: str, off: str) -> str:
-    """Re-prefill of a second task with the header on against with it off (first calls)."""
-    a, b = tab.loc[on], tab.loc[off]
-
-    def of(r) -> str:
-        if pd.isna(r["prompt_tokens"]):   # a usage block without input tokens: said, not guessed
-            return f"{r['evaluated_tokens']:.0f} prompt tokens (the server's usage gave no prompt size)"
-        return (f"{r['evaluated_tokens']:.0f} of its {r['prompt_tokens']:.0f} prompt tokens "
-                f"({r['evaluated_tokens'] / r['prompt_tokens']:.0%})")
-    more = "more" if a["evaluated_tokens"] > b["evaluated_tokens"] else "fewer"
-    return (f"A new task with the header on evaluated {of(a)}; first difference: {a['first_diff']}. With "
-            f"CLAUDE_CODE_ATTRIBUTION_HEADER=0 a new task evaluated {of(b)}; first difference: "
-            f"{b['first_diff']}. {more.capitalize()} with the header on.")
 
 
 def clip_view(out: str | Path) -> pd.DataFrame:
@@ -268,7 +231,12 @@ def amplification(out: str | Path) -> pd.DataFrame:
     """Per task: how many copies of its first request the agent sent (the first call and the
     identical re-sends right after it: retries), how many were answered, one copy's prompt
     tokens, what the server evaluated over those copies (its /metrics counter, call by call),
-    and their ratio, the retry amplification (1: each prompt token evaluated once)."""
+    and their ratio, the retry amplification (1: each prompt token evaluated once).
+
+    One copy's size is the server's usage where a copy was answered (`size_from` "server
+    usage"); where none was (the client gave up on every one), the size the server's refusal
+    named ("server refusal"), else the first copy's parts counted from its captured body by the
+    served model's tokenizer ("request body": the template's few tokens per part left out)."""
     gen = _model_calls(out)
     rows = []
     for task, c in gen.groupby("task", sort=False):
@@ -276,56 +244,28 @@ def amplification(out: str | Path) -> pd.DataFrame:
         while n < len(c) and c["first_diff"].iloc[n] == "identical":
             n += 1
         copies = c.iloc[:n]
-        size = copies["prompt_tokens"].max()
-        if pd.isna(size):   # no copy answered: the size the agent's shape says
-            size = float("nan")
+        size, source = _copy_size(out, copies)
         evaluated = copies["evaluated_tokens"].sum(min_count=1)
         rows.append({"task": task, "copies": n, "answered": int((copies["status"] == "ok").sum()),
-                     "request_tokens": size, "server_evaluated": evaluated,
-                     "amplification": evaluated / size if size and size == size else float("nan"),
-                     "later_calls": len(c) - n})
+                     "request_tokens": size, "size_from": source, "server_evaluated": evaluated,
+                     "amplification": evaluated / size if size > 0 else float("nan"), "later_calls": len(c) - n})
     return pd.DataFrame(rows).set_index("task")
 
 
-def amplification_sentence(tab: pd.DataFrame, short: str, fixed: str) -> str:
-    """What the short and the long client timeout cost the server, computed from `amplification`."""
-    a, b = tab.loc[short], tab.loc[fixed]
-    def one(r) -> str:
-        retried = f"{r['copies']:.0f} copies of its first request" if r["copies"] > 1 else "its first request once (no retry)"
-        return (f"sent {retried}, {r['answered']:.0f} answered; the server evaluated {r['server_evaluated']:.0f} "
-                f"prompt tokens for a request of {r['request_tokens']:.0f} ({r['amplification']:.1f}x)")
-    return f"With the short timeout the agent {one(a)}. With the long one it {one(b)}."
+def _copy_size(out: str | Path, copies: pd.DataFrame) -> tuple[float, str | None]:
+    """One copy's prompt tokens and where the number came from (see `amplification`)."""
+    size = copies["prompt_tokens"].max()
+    if pd.notna(size):
+        return float(size), "server usage"
+    refused = copies["error"].map(refused_size).max() if "error" in copies else float("nan")
+    if pd.notna(refused):
+        return float(refused), "server refusal"
+    first = copies["request_id"].iloc[0] if "request_id" in copies else None
+    body = [sum(p["tokens"] for p in a["parts"]) for a in anatomy(out) if a["request_id"] == first]
+    return (float(body[0]), "request body") if body else (float("nan"), None)
 
 
-def extension_cost(ctx: int, trained: int = 8192, model: str | None = None, n_words: int = 600) -> dict[str, Any]:
-    """What serving `ctx` tokens to a model trained on `trained` costs it, measured: the mean
-    NLL (nats per token) of the course's evaluation text with and without the YaRN settings
-    `EXTEND_CONTEXT` gives llama-server, the per-token difference and its 2 standard errors
-    (tokens are correlated, so the SE is a floor on the real uncertainty)."""
-    import llama_cpp
 
-    from infercourse.measure.workloads import eval_text
-    from infercourse.models.quality import token_nlls
-    text = " ".join(eval_text().split()[:n_words])
-    base_ids, base = token_nlls(model, text, n_threads=1)
-    yarn = {"n_ctx": 1024, "rope_scaling_type": llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN,
-            "rope_freq_scale": trained / ctx, "yarn_orig_ctx": trained,
-            "kv_overrides": {"llama.context_length": int(ctx)}}
-    ids, ext = token_nlls(model, text, n_threads=1, gguf_options=yarn)
-    assert ids == base_ids
-    d = ext - base
-    return {"window": ctx, "trained": trained, "tokens": len(d), "nll trained": float(base.mean()),
-            "nll extended": float(ext.mean()), "diff": float(d.mean()),
-            "2 SE": float(2 * d.std(ddof=1) / np.sqrt(len(d)))}
-
-
-def extension_sentence(cost: dict[str, Any]) -> str:
-    """Whether the extension's quality cost shows beyond its 2 SE on this text."""
-    diff, se = cost["diff"], cost["2 SE"]
-    verdict = ("worse beyond 2 SE" if diff > se else "better beyond 2 SE" if diff < -se else "within 2 SE of no change")
-    return (f"Serving {cost['window']:,} tokens to a model trained on {cost['trained']:,} (YaRN x"
-            f"{cost['window'] / cost['trained']:g}) changed the mean NLL on {cost['tokens']} tokens of text by "
-            f"{diff:+.3f} nats per token (2 SE {se:.3f}): {verdict}, perplexity x{np.exp(diff):.2f}.")
 
 
 def session_pastes(turns: int, paste_words: int) -> list[str]:
@@ -360,7 +300,7 @@ def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_outp
     session as is may never outgrow it. Where the told agent's compaction threshold falls is
     what it is: below the first turn on a window under the agent's reserves (then it compacts
     at every call), above it on a larger one."""
-    count = count or _embedded_counter()
+    count = count or embedded_counter()
     pastes = [count(p) for p in session_pastes(turns, paste_words)]
     first_turn = first_tokens + pastes[0]
     reserve = min(max_output, agents.CLAUDE_OUTPUT_RESERVE_CAP) + agents.CLAUDE_BLOCKING_BUFFER
@@ -375,147 +315,20 @@ def told_env(plan: dict[str, int]) -> dict[str, str]:
     return {agents.CLAUDE_WINDOW_ENV: str(plan["window"])}
 
 
-def plan_sentence(plan: dict[str, int]) -> str:
-    """The window the session gets and where the told agent's limits fall, from `compaction_plan`."""
-    w, t, b, f = plan["window"], plan["compacts_above"], plan["refuses_above"], plan["first_turn"]
-    told = ("below the first turn: told, it refuses to send at all" if b < f else
-            "below the first turn: told, it compacts at every call" if t < f else
-            f"{t - f:,} tokens above the first turn: told, it compacts once the session has grown that much")
-    as_is = ("beyond the window: as is, the session outgrows the server in its last turn"
-             if plan["last_turn"] > w else "within the window: as is, the session does not outgrow this server")
-    return (f"The session's first turn is about {f:,} tokens; each turn pastes up to {plan['paste_tokens']:,}, and "
-            f"the last turn holds at least {plan['last_turn']:,}, {as_is}. The server's window: {w:,} tokens. Told "
-            f"it, with answers capped at {plan['max_output']:,}, this agent version refuses to send a prompt it counts "
-            f"over {b:,} tokens (its own count, which need not match the server's), and its compaction threshold is "
-            f"{t:,}, {told}.")
 
 
-KEPT_SHARE = 0.5   # a first message that keeps less of the one before than this was replaced, not grown
 
 
-def _refused_size(error: Any) -> float:
-    """The prompt size in llama-server's refusal ("request (N tokens) exceeds ..."), or NaN."""
-    import re
-    m = re.search(r"request \((\d+) tokens\)", error if isinstance(error, str) else "")
-    return float(m.group(1)) if m else float("nan")
 
 
-def _rewrites(gen: pd.DataFrame, out: str | Path) -> pd.DataFrame:
-    """Mark the calls that rewrote the history. A session only appends, so its first message
-    stays; a compaction replaces it (with the summary) and the messages hold fewer tokens than
-    the call before's. So: the first difference is system 0 (the billing header's suffix
-    follows the first message) or in message 0, keeping less than `KEPT_SHARE` of the first
-    message before it, and the messages shrink. A summary request that edits or drops only
-    later messages keeps the first one, and is not a rewrite."""
-    from infercourse.ops.agent_lab import anatomy
-    shape = {}
-    for a in anatomy(out):
-        kinds = [p["kind"] for p in a["parts"]]
-        first = kinds.index("message") if "message" in kinds else len(kinds)
-        shape[a["request_id"]] = (sum(p["tokens"] for p in a["parts"][:first]),
-                                  a["parts"][first]["tokens"] if first < len(kinds) else 0,
-                                  sum(p["tokens"] for p in a["parts"][first:]))
-    s = gen["request_id"].map(shape)
-    before_msgs, first_msg = s.map(lambda x: x[0] if isinstance(x, tuple) else float("nan")), \
-        s.map(lambda x: x[1] if isinstance(x, tuple) else float("nan"))
-    gen["message_tokens"] = s.map(lambda x: x[2] if isinstance(x, tuple) else float("nan"))
-    diff = gen["first_diff"].fillna("")
-    kept = gen.get("tokens_before_diff", pd.Series(float("nan"), index=gen.index)) - before_msgs
-    replaced = (diff == "system 0") | (diff.str.startswith("message 0 ") & (kept < KEPT_SHARE * first_msg.shift()))
-    gen["rewrote_history"] = replaced & (gen["message_tokens"] < gen["message_tokens"].shift())
-    return gen
 
 
-def session_view(out: str | Path) -> pd.DataFrame:
-    """One row per call of a growing session, and one per turn that sent none (status "not
-    sent"; `refused_by` "agent" when the agent judged it too long itself): how the turn ended
-    (ok, error, timeout: the task's time bound), prompt tokens (the server's usage, or the
-    count in its refusal), output, stop reason, the first part that differs from the call
-    before, who refused the call, whether it rewrote the history (a compaction, judged by the
-    request's structure, not its text: see `_rewrites`), the window the agent said it assumed,
-    and whether its log named a compaction query in that turn (it names one query source per
-    process, the first: True says it compacted first thing, False proves nothing)."""
-    calls, tasks = calls_table(out), tasks_table(out)
-    gen = calls[calls["api"] == "anthropic"].copy()
-    gen["prompt_tokens"] = gen["prompt_tokens"].fillna(gen["error"].map(_refused_size))
-    gen = _rewrites(gen, out)
-    gen["refused_by"] = gen["error"].fillna("").str.contains("exceeds the available context").map(
-        {True: "server", False: None})
-    rows = []
-    for _, t in tasks.iterrows():
-        windows, sources = t.get("assumed_context_window"), t.get("query_sources")
-        turn = {"turn": t["task"], "ended": {0: "ok", "timeout": "timeout"}.get(t["exit"], "error"),
-                "agent_window": max(windows.values()) if isinstance(windows, dict) and windows else float("nan"),
-                "compact_logged": isinstance(sources, list) and "compact" in sources}
-        c = gen[gen["task"] == t["task"]]
-        if not len(c):
-            rows.append({**turn, "status": "not sent",
-                         "refused_by": "agent" if t.get("terminal_reason") == "blocking_limit" else None})
-        for _, r in c.iterrows():
-            rows.append({**turn, **{k: r.get(k) for k in ("status", "prompt_tokens", "cached_tokens", "output_tokens",
-                                                          "stop_reason", "first_diff", "message_tokens",
-                                                          "rewrote_history", "refused_by")}})
-    return pd.DataFrame(rows)
 
 
-def _session_read(v: pd.DataFrame) -> dict[str, Any]:
-    """What one growing session showed, from `session_view`."""
-    sent = v[v["status"] != "not sent"].reset_index(drop=True)
-    by_server = sent[sent["refused_by"] == "server"]
-    rewrites = sent.index[sent["rewrote_history"].fillna(False).astype(bool)]
-    first = rewrites[0] if len(rewrites) else None
-    before = sent["prompt_tokens"].iloc[:first].dropna() if first is not None else pd.Series(dtype=float)
-    turns = v.drop_duplicates("turn")
-    return {"calls": len(sent), "largest": sent["prompt_tokens"].max(), "server_refused": len(by_server),
-            "first_refused": by_server["turn"].iloc[0] if len(by_server) else None,
-            "not_sent": int((v["refused_by"] == "agent").sum()), "timeouts": int((turns["ended"] == "timeout").sum()),
-            "rewrites": len(rewrites), "rewrite_turn": sent["turn"].iloc[first] if first is not None else None,
-            "rewrote_after_refusal": first is not None and len(by_server) > 0 and first > by_server.index[0],
-            "before": before.iloc[-1] if len(before) else float("nan"),
-            "after": sent["prompt_tokens"].iloc[first] if first is not None else float("nan"),
-            "window": v["agent_window"].max(), "compact_logged": list(turns.loc[turns["compact_logged"], "turn"])}
 
 
-def _session_clause(name: str, r: dict[str, Any]) -> str:
-    said = (f"the agent reported a window of {r['window']:,.0f} tokens" if r["window"] == r["window"]
-            else "the agent reported no window")
-    refused = (f"the server refused {r['server_refused']} of its {r['calls']} calls, the first in {r['first_refused']}"
-               if r["server_refused"] else f"the server refused none of its {r['calls']} calls")
-    if r["not_sent"]:
-        refused += f"; the agent refused to send {r['not_sent']} turn(s) itself"
-    if r["rewrites"]:
-        move = "dropped" if r["after"] < r["before"] else "did not drop"
-        hist = (f"it rewrote its history {r['rewrites']} time(s), first in {r['rewrite_turn']}, and the prompt {move}: "
-                f"{r['before']:,.0f} tokens on the call before, {r['after']:,.0f} on the rewritten call")
-    elif r["compact_logged"]:
-        hist = (f"it logged a compaction query in {', '.join(r['compact_logged'])}, but no call started from a "
-                f"summary: its history was never rewritten")
-    else:
-        hist = "its history was never rewritten"
-    bound = f"; {r['timeouts']} turn(s) hit the task's time bound" if r["timeouts"] else ""
-    return f"{name}, {said}: {refused}; {hist}; its largest prompt was {r['largest']:,.0f} tokens{bound}"
 
 
-def compaction_sentence(as_is: pd.DataFrame, told: pd.DataFrame, window: int) -> str:
-    """What the two growing sessions (`session_view`s) showed on a `window`-token server: the
-    window each agent reported, the refusals (the server's, and the agent's own), whether and
-    where the history was rewritten and the prompt size around it, the turns cut by the time
-    bound, and what, from these, the run shows about compaction."""
-    a, t = _session_read(as_is), _session_read(told)
-    if t["rewrites"] and t["after"] < t["before"]:
-        verdict = "Told the window, the agent compacted" + (
-            f", and still the server refused {t['server_refused']} of its calls" if t["server_refused"]
-            else " and the server refused none of its calls") + (
-            "; as is, the server refused the session" + (", and the agent compacted only after that refusal."
-                                                          if a["rewrote_after_refusal"] else ".") if a["server_refused"] else
-            "; as is, the session never outgrew this server, so this run does not show a refusal that compaction prevented.")
-    elif t["compact_logged"]:
-        verdict = ("Told the window, the agent started compacting but did not finish a compaction in this run: "
-                   "no prompt drop to show.")
-    else:
-        verdict = ("Told the window, the agent did not compact in this run"
-                   + (" (it refused to send instead)" if t["not_sent"] else "") + ": no prompt drop to show.")
-    return f"On a {window:,}-token server. {_session_clause('As is', a)}. {_session_clause('Told the window', t)}. {verdict}"
 
 
 def doctor_on_fresh_server(ctx: int, capture: str | Path, *, threads: int = 1, model: str | None = None,

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-__all__ = ["parts", "dissect", "first_difference", "tokenizer_of", "compare_parts"]
+__all__ = ["parts", "dissect", "first_difference", "tokenizer_of", "embedded_counter", "compare_parts"]
 
 Part = tuple[str, str, str]   # (kind, label, text)
 
@@ -134,4 +134,17 @@ def tokenizer_of(url: str) -> Callable[[str], int]:
         r = httpx.post(url.rstrip("/") + "/tokenize", json={"content": text}, timeout=60)
         r.raise_for_status()
         return len(r.json()["tokens"])
+    return count
+
+
+def embedded_counter() -> Callable[[str], int]:
+    """A token counter by the embedded model's own tokenizer, in process (vocabulary only):
+    the tokenizer the lab's server counts with when it serves the embedded model, with no
+    server asked (BOS not counted)."""
+    from infercourse.models.embedded import vocab_tokenizer
+    tok = vocab_tokenizer()
+
+    @functools.lru_cache(maxsize=4096)
+    def count(text: str) -> int:
+        return len(tok(text)) - 1 if text else 0   # less the BOS the tokenizer adds
     return count

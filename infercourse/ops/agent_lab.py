@@ -4,7 +4,7 @@ One lab run is a list of tasks (each: an agent, a prompt, its flags and environm
 one after another against **one** llama-server, so the second task meets the first one's
 cache, as on a learner's machine. The whole run happens in a child process:
 
-    unshare -n  python -m infercourse.ops.agent_lab SPEC.json
+    unshare -n  python -m infercourse.ops.agent_lab_child SPEC.json
         lo up; refuse unless `lo` is the only interface       (ops.netns)
         llama-server on 127.0.0.1                            (servers.LlamaServer)
         RecordingProxy on 127.0.0.1 -> the server             (ops.agent_capture)
@@ -25,15 +25,18 @@ and everything it measured is in the run's folder when it returns, however it en
                      the results folder, never committed
     lab.log          the child's own output (a cell never prints it)
 
-`run_lab(spec)` is the parent's side: it starts the child in the namespace (`ops.netns.wrap`
-refuses where none can be made), waits within a bound, and returns the folder.
+`run_lab(spec)` is the parent's side: it checks every task's environment (`agents.check_env`:
+no task may move the route off the recording proxy), starts the child in the namespace
+(`ops.netns.wrap` refuses where none can be made), waits within a bound, and returns the
+folder; the child's side is `ops.agent_lab_child`. With `host_network` (the CLI's
+`--no-netns`) there is no namespace at all: the child runs on the host's network, and the
+manifest says so.
 """
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,8 @@ from typing import Any
 from infercourse.core.errors import AgentLayerError
 from infercourse.ops import netns
 
-__all__ = ["Task", "LabSpec", "run_lab", "EXTEND_CONTEXT", "calls_table", "tasks_table", "anatomy"]
+__all__ = ["Task", "LabSpec", "run_lab", "EXTEND_CONTEXT", "calls_table", "tasks_table", "anatomy", "refused_size",
+           "network_line"]
 
 
 def EXTEND_CONTEXT(ctx: int, trained: int = 8192) -> list[str]:
@@ -108,7 +112,7 @@ class LabSpec:
     server_args: list[str] = field(default_factory=list)
     n_predict: int | None = 64
     anatomy: bool = True
-    allow_host_network: bool = False
+    host_network: bool = False     # no namespace at all (`netns.wrap`): the CLI's --no-netns
 
     def save(self) -> Path:
         path = Path(self.out) / "spec.json"
@@ -125,18 +129,20 @@ class LabSpec:
 
 def run_lab(spec: LabSpec) -> Path:
     """Run `spec` in a loopback-only namespace (child process); returns the results folder.
-    Raises AgentLayerError when the child failed, after everything it wrote is on disk."""
+    Refuses, before anything starts, a missing agent and a task environment that would move
+    the agent off the recording proxy (`agents.check_env`). Raises AgentLayerError when the
+    child failed, after everything it wrote is on disk."""
+    from infercourse.ops.agents import check_env, missing_reason
     for t in spec.tasks:
-        if t.agent != "stand-in":
-            from infercourse.ops.agents import missing_reason
-            why = missing_reason(t.agent)
-            if why:
-                raise AgentLayerError(why)
+        why = missing_reason(t.agent) if t.agent != "stand-in" else None
+        if why:
+            raise AgentLayerError(why)
+        check_env(t.env, what=f"task {t.label!r}")
     out = Path(spec.out)
     if (out / "manifest.json").exists():
         raise FileExistsError(f"{out} already holds a lab run; results are append-only, pick a new folder")
-    argv = netns.wrap([sys.executable, "-m", "infercourse.ops.agent_lab", str(spec.save())],
-                      allow_host_network=spec.allow_host_network)
+    argv = netns.wrap([sys.executable, "-m", "infercourse.ops.agent_lab_child", str(spec.save())],
+                      host_network=spec.host_network)
     bound = sum(t.timeout_s for t in spec.tasks) + 300   # + server start and anatomy
     with open(out / "lab.log", "ab") as log:
         try:
@@ -149,6 +155,20 @@ def run_lab(spec: LabSpec) -> Path:
         raise AgentLayerError(f"the agent lab ended with {rc}; what it measured is in {out}. "
                               f"Last lines of lab.log:\n{tail}")
     return out
+
+
+def network_line(out: str | Path) -> str:
+    """Where a lab run's agents ran, from its manifest: "network: loopback-only namespace
+    (interfaces: lo)" or "network: host (...)", the words a user of --no-netns must see."""
+    net = json.loads((Path(out) / "manifest.json").read_text()).get("network", {})
+    return f"network: {net.get('namespace', 'not recorded')} (interfaces: {', '.join(net.get('interfaces', []))})"
+
+
+def refused_size(error: Any) -> float:
+    """The prompt size in llama-server's refusal ("request (N tokens) exceeds ..."), or NaN."""
+    import re
+    m = re.search(r"request \((\d+) tokens\)", error if isinstance(error, str) else "")
+    return float(m.group(1)) if m else float("nan")
 
 
 def calls_table(out: str | Path) -> "pd.DataFrame":
@@ -184,191 +204,3 @@ def anatomy(out: str | Path) -> list[dict[str, Any]]:
     """The per-call anatomy the lab wrote (parts and their tokens, first difference)."""
     path = Path(out) / "anatomy.jsonl"
     return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
-
-
-# -- the child, inside the namespace --------------------------------------------------------
-def _launch(task: Task, i: int, out: Path, proxy_url: str, served: str) -> tuple[list[str], dict, Path]:
-    from infercourse.ops import agents
-    # one user, one project: every task of a lab shares a HOME and a working folder, as a
-    # learner's tasks do (the agent's system prompt names its working folder: a folder per
-    # task made every new task differ at Claude Code's third system block)
-    home = out / "homes" / (task.session or "user")
-    work = home / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    if task.agent == "claude-code":
-        env = agents.sealed_env(home, {"ANTHROPIC_BASE_URL": proxy_url, "ANTHROPIC_MODEL": served,
-                                       **task.env})
-        return agents.claude_argv(task.prompt, system_prompt=task.system_prompt, tools=task.tools,
-                                  max_turns=task.max_turns, resume=task.resume), env, work
-    if task.agent == "codex":
-        env = agents.sealed_env(home, task.env)
-        (home / ".codex").mkdir(parents=True, exist_ok=True)
-        cfg = dict(task.codex)
-        if cfg.get("instructions"):   # Codex's own instructions replaced by a short text (the CI size)
-            (home / "instructions.md").write_text(cfg.pop("instructions"))
-            cfg["instructions_file"] = str(home / "instructions.md")
-        (home / ".codex" / "config.toml").write_text(agents.codex_config(proxy_url, served, **cfg))
-        return agents.codex_argv(task.prompt, work), env, work
-    if task.agent == "stand-in":
-        env = agents.sealed_env(home, {"ANTHROPIC_BASE_URL": proxy_url, "ANTHROPIC_MODEL": served, **task.env})
-        argv = [sys.executable, "-m", "infercourse.testing_agent", task.prompt]
-        if task.system_prompt is not None:
-            argv += ["--system-prompt", task.system_prompt]
-        return argv, env, work
-    raise AgentLayerError(f"unknown agent {task.agent!r}")
-
-
-def _run_agent(argv: list[str], env: dict, work: Path, timeout_s: float, log: Path) -> tuple[Any, str, str]:
-    """The agent under the servers' watchdog (`servers.watchdog`): in a process group of its
-    own, which the watchdog kills whole (the agent's own children too: Codex's native binary
-    under its node launcher) when the lab dies, or when the task's time bound sends it SIGTERM.
-    The agent's stdout and stderr go to `log`.out / .err, read back after it ends."""
-    from infercourse.servers import watchdog
-    out, err = log.with_suffix(".out"), log.with_suffix(".err")
-    with open(out, "wb") as fo, open(err, "wb") as fe:
-        p = subprocess.Popen([sys.executable, watchdog.__file__, "--", *argv], env=env, cwd=work,
-                             stdout=fo, stderr=fe, stdin=subprocess.DEVNULL)
-        try:
-            rc: Any = p.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            p.terminate()                      # the watchdog stops the agent's whole group
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            rc = "timeout"
-    return rc, out.read_text(errors="replace"), err.read_text(errors="replace")
-
-
-def _agent_json(stdout: str) -> dict[str, Any]:
-    """The numbers an agent's own output reports (Claude Code's JSON result; Codex's last
-    `turn.completed` event), never its text beyond a short preview."""
-    docs = []
-    for line in stdout.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                docs.append(json.loads(line))
-            except ValueError:
-                continue
-    out: dict[str, Any] = {}
-    for d in docs:
-        if d.get("type") == "result" or "modelUsage" in d:
-            # terminal_reason says why the agent stopped: "blocking_limit" is its own refusal to
-            # send a prompt it thinks too long for the window ("Prompt is too long"), no call made
-            out.update(is_error=d.get("is_error"), num_turns=d.get("num_turns"), subtype=d.get("subtype"),
-                       terminal_reason=d.get("terminal_reason"), result_preview=str(d.get("result", ""))[:200])
-            windows = {m: u.get("contextWindow") for m, u in (d.get("modelUsage") or {}).items()}
-            out["assumed_context_window"] = windows
-        if d.get("type") in ("turn.completed", "turn.failed", "error"):
-            out["codex_last_event"] = d.get("type")
-            out["codex_error"] = str((d.get("error") or {}).get("message", d.get("message", "")))[:300] or None
-    return out
-
-
-def _query_sources(stderr: str) -> list[str]:
-    """The query sources Claude Code named on stderr for a model id it does not know
-    (`[claude-code:unrecognized_model] {"model": ..., "query_source": "compact"}`): "sdk" for
-    the task's own calls, "compact" for a summary of the history. Names only. The pinned
-    version warns once per process, so this is the source of its first query, not of all."""
-    found = set()
-    for line in stderr.splitlines():
-        if "unrecognized_model]" in line and "{" in line:
-            try:
-                found.add(str(json.loads(line[line.index("{"):]).get("query_source")))
-            except ValueError:
-                continue
-    return sorted(found)
-
-
-def _server(spec: LabSpec):
-    from infercourse.measure.workloads import DATA_DIR
-    from infercourse.servers import LlamaServer
-    extra = ["--chat-template-file", str(DATA_DIR / "chatml_tools.jinja"), "--alias", spec.served_name,
-             *(["-n", str(spec.n_predict)] if spec.n_predict else []), *spec.server_args]
-    return LlamaServer(spec.model, n_parallel=1, ctx_size=spec.ctx, threads=spec.threads, jinja=True,
-                       extra_args=extra)
-
-
-def _manifest(spec: LabSpec, srv, isolated: bool) -> dict[str, Any]:
-    from infercourse.models.embedded import file_sha256
-    from infercourse.ops import agents
-    names = sorted({t.agent for t in spec.tasks})
-    return {"label": Path(spec.out).name, "engine": srv.describe(),
-            "model": {"path": str(srv.model_path), "sha256": file_sha256(srv.model_path),
-                      "served_name": spec.served_name, "ctx": spec.ctx, "server_args": spec.server_args},
-            "sampling": "set by the agent: each call's body (bodies/) holds its temperature and max_tokens",
-            "load": {"pattern": "one agent task at a time, sequential", "concurrency": "as the agent sends it",
-                     "server_slots": 1},
-            "workload": {"tasks": [{k: v for k, v in asdict(t).items() if k != "prompt"} |
-                                   {"prompt_chars": len(t.prompt)} for t in spec.tasks]},
-            "agents": {a: (agents.version(a) if a != "stand-in" else "infercourse.testing_agent") for a in names},
-            "network": {"namespace": "loopback-only" if isolated else "host (no namespace)",
-                        "interfaces": netns.interfaces()}}
-
-
-def _anatomy(out: Path, url: str) -> None:
-    """Per call: tokens per part and the first part that differs from the previous call of
-    the same API (across tasks too: one server, one cache). Numbers only."""
-    from infercourse.ops.agent_anatomy import first_difference, parts, tokenizer_of
-    from infercourse.ops.agent_capture import GENERATING_APIS, api_of
-    count = tokenizer_of(url)
-    prev: dict[str, list] = {}
-    with open(out / "anatomy.jsonl", "w") as f:
-        for line in (out / "requests.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            tags = row.get("tags", {})
-            api, body_path = api_of(tags.get("path", "")), out / "bodies" / f"{row['request_id']:03d}.json"
-            if api not in GENERATING_APIS or not body_path.exists():
-                continue
-            body = json.loads(body_path.read_text())
-            ps = parts(body, api)
-            diff = first_difference(prev.get(api), ps, count)
-            prev[api] = ps
-            f.write(json.dumps({"request_id": row["request_id"], "task": tags.get("task"), "api": api,
-                                "parts": [{"kind": k, "part": label, "bytes": len(t.encode()), "tokens": count(t)}
-                                          for k, label, t in ps],
-                                "first_difference": diff}) + "\n")
-
-
-def child_main(spec_path: str) -> int:
-    """Inside the namespace: check it, start the server and the proxy, play the tasks."""
-    spec = LabSpec.load(spec_path)
-    out = Path(spec.out)
-    isolated = sys.platform.startswith("linux") and not spec.allow_host_network
-    if isolated:
-        netns.bring_up_loopback()
-        netns.assert_only_loopback()
-    from infercourse.measure.results import RunWriter
-    from infercourse.ops.agent_capture import RecordingProxy, evaluated_count
-    with _server(spec) as srv, RunWriter(out, _manifest(spec, srv, isolated)) as writer, \
-            RecordingProxy(srv.url, on_call=writer.write, bodies_dir=out / "bodies") as proxy:
-        print(f"server {srv.url} (log {srv.log_path}); proxy {proxy.url}", flush=True)
-        for i, task in enumerate(spec.tasks):
-            argv, env, work = _launch(task, i, out, proxy.url, spec.served_name)
-            proxy.tags = {"task": task.label, "agent": task.agent}
-            n0, before, t0 = len(proxy.traces), evaluated_count(srv.url), time.perf_counter()
-            (out / "agents").mkdir(exist_ok=True)
-            rc, stdout, stderr = _run_agent(argv, env, work, task.timeout_s, out / "agents" / f"{i:02d}")
-            wall = time.perf_counter() - t0
-            after = evaluated_count(srv.url)
-            calls = proxy.traces[n0:]
-            row = {"task": task.label, "agent": task.agent, "exit": rc, "wall_s": wall, "calls": len(calls),
-                   "failed_calls": sum(c.status != "ok" for c in calls),
-                   "prompt_tokens": sum(c.prompt_tokens or 0 for c in calls),
-                   "evaluated_tokens": (after - before) if None not in (before, after) else None,
-                   "server_alive": srv.running, "query_sources": _query_sources(stderr), **_agent_json(stdout)}
-            with open(out / "tasks.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(f"task {task.label}: exit {rc}, {len(calls)} calls, {wall:.1f} s", flush=True)
-            for err in proxy.metrics_errors:
-                print(f"  /metrics not read: {err}", flush=True)
-            proxy.metrics_errors.clear()
-        if spec.anatomy:
-            _anatomy(out, srv.url)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(child_main(sys.argv[1]))

@@ -4,8 +4,14 @@ Both are npm packages that ship a native binary: `@anthropic-ai/claude-code` (sp
 Anthropic Messages API, `POST /v1/messages`) and `@openai/codex` (the OpenAI Responses API,
 `POST /v1/responses`). The course pins one version of each in `tools/agents/package.json`
 with its lock file, and `python -m infercourse.ops.agents install` installs exactly those
-(`npm ci`) into `cache_dir()/agents`, never into the repo. Where `npm` is absent it says how
-to install them and every cell that needs them skips with that reason.
+into `cache_dir()/agents`, never into the repo, with **install scripts off** (`npm ci
+--ignore-scripts`): npm fetches on the host's network, outside any namespace, so no vendor
+code runs there. The lock's only install script is Claude Code's postinstall, which copies the
+native binary of the platform's package (an optional dependency npm picks by os, cpu and libc)
+over a placeholder; the lab runs that binary from its platform package instead (`binary`).
+Codex's launcher (`bin/codex.js`, run by Node) needs no script. Where `npm` is absent it says
+how to install them (the Node.js version the lock's `engines` fields ask for, `node_needed`)
+and every cell that needs them skips with that reason.
 
 Every launch is sealed the same way, whatever the caller passes:
 
@@ -32,8 +38,8 @@ from typing import Any
 from infercourse.core.errors import AgentLayerError
 from infercourse.models.embedded import cache_dir
 
-__all__ = ["AGENTS", "PINS", "agents_dir", "binary", "version", "missing_reason", "install",
-           "sealed_env", "claude_argv", "codex_argv", "codex_config", "claude_settings", "DUMMY_KEY",
+__all__ = ["AGENTS", "PINS", "agents_dir", "binary", "node_needed", "version", "missing_reason", "install",
+           "LAB_ENV", "check_env", "sealed_env", "claude_argv", "codex_argv", "codex_config", "claude_settings", "DUMMY_KEY",
            "CLAUDE_WINDOW_ENV", "CLAUDE_ASSUMED_WINDOW", "CLAUDE_AUTO_COMPACT_WINDOW_FLOOR", "claude_window_limits"]
 
 AGENTS = ("claude-code", "codex")
@@ -77,10 +83,26 @@ def agents_dir() -> Path:
 
 
 def binary(agent: str) -> Path | None:
-    """The installed agent's executable, or None."""
+    """The installed agent's executable, or None: Claude Code's native binary in its platform
+    package (what its skipped postinstall would have copied into place), Codex's launcher."""
     pkg, exe = _PKG[agent]
+    if agent == "claude-code":
+        scope = agents_dir() / "node_modules" / pkg.split("/")[0]
+        found = sorted(p for p in scope.glob(f"{pkg.split('/')[1]}-*/{exe}*") if p.name in (exe, exe + ".exe"))
+        return found[0] if len(found) == 1 else None   # npm installs the one package this platform takes
     path = agents_dir() / "node_modules" / ".bin" / exe
     return path if path.exists() else None
+
+
+def node_needed() -> dict[str, str]:
+    """The Node.js range each pinned agent's package declares (`engines.node` in the lock)."""
+    lock = SPEC_DIR / "package-lock.json"
+    pkgs = json.loads(lock.read_text()).get("packages", {}) if lock.is_file() else {}
+    return {a: pkgs.get(f"node_modules/{pkg}", {}).get("engines", {}).get("node", "any") for a, (pkg, _) in _PKG.items()}
+
+
+def _node_words() -> str:
+    return "Node.js with npm (the lock asks for node " + ", ".join(f"{r} for {a}" for a, r in node_needed().items()) + ")"
 
 
 def version(agent: str) -> str | None:
@@ -95,7 +117,7 @@ def missing_reason(agent: str) -> str | None:
         raise AgentLayerError(f"unknown agent {agent!r}; one of {', '.join(AGENTS)}")
     if binary(agent) is None:
         how = ("`make agents` (or `python -m infercourse.ops.agents install`)" if shutil.which("npm")
-               else "install Node.js >= 20 with npm, then `make agents`")
+               else f"install {_node_words()}, then `make agents`")
         return f"{agent} is not installed in {agents_dir()}: {how}"
     if PINS and version(agent) != PINS[agent]:
         return f"{agent} {version(agent)} is installed, the course pins {PINS[agent]}: run `make agents`"
@@ -103,38 +125,73 @@ def missing_reason(agent: str) -> str | None:
 
 
 def install(quiet: bool = False) -> str:
-    """`npm ci` of the pinned agents into `agents_dir()`; returns what it did (or why not)."""
+    """`npm ci --ignore-scripts` of the pinned agents into `agents_dir()`; returns what it did
+    (or why not). Raises AgentLayerError when npm fails or an agent is still not runnable."""
     if shutil.which("npm") is None:
-        return ("npm not found: the real-agent notebook will skip. Install Node.js >= 20 (with npm), "
-                "then `make agents`")
+        return f"npm not found: the real-agent notebook will skip. Install {_node_words()}, then `make agents`"
     dest = agents_dir()
     dest.mkdir(parents=True, exist_ok=True)
     if all(missing_reason(a) is None for a in AGENTS):
         return f"agents already installed in {dest}: " + ", ".join(f"{a} {version(a)}" for a in AGENTS)
     for name in ("package.json", "package-lock.json"):
         shutil.copyfile(SPEC_DIR / name, dest / name)
-    out = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=dest,
+    # scripts off: this runs on the host network, outside any namespace (see the docstring)
+    out = subprocess.run(["npm", "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--loglevel=error"], cwd=dest,
                          capture_output=True, text=True, timeout=900)
     (dest / "npm.log").write_text(out.stdout + out.stderr)
     if out.returncode != 0:
         raise AgentLayerError(f"npm ci failed in {dest} (code {out.returncode}); its output is in "
                               f"{dest / 'npm.log'}")
-    return f"installed in {dest}: " + ", ".join(f"{a} {version(a)}" for a in AGENTS)
+    still = [why for a in AGENTS if (why := missing_reason(a))]
+    if still:
+        raise AgentLayerError(f"npm ci ran, yet: {'; '.join(still)} (no native package for this platform?)")
+    return f"installed in {dest} (install scripts off): " + ", ".join(f"{a} {version(a)}" for a in AGENTS)
 
 
-def sealed_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+# What the lab sets and a task may not: where the agent's calls go (the recording proxy:
+# "every call captured" holds only if no base URL or proxy variable moves them), which home
+# and config it reads, and its key. A name ending in _BASE_URL or _PROXY is refused whatever
+# its prefix (ANTHROPIC_BEDROCK_BASE_URL, https_proxy...).
+LAB_ENV = ("HOME", "CODEX_HOME", "XDG_CONFIG_HOME", "CLAUDE_CONFIG_DIR", "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN",
+           "OPENAI_API_KEY", "COURSE_API_KEY", "CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX",
+           "CLAUDE_CODE_USE_FOUNDRY")
+
+
+def check_env(env: dict[str, str] | None, what: str = "the agent's environment") -> None:
+    """Refuse (AgentLayerError, agent layer) any name in `env` the lab owns: a base URL or a
+    proxy variable (they would send calls past the recording proxy), a home or config folder,
+    a key (`LAB_ENV`).
+
+    Args:
+        env: the extra environment a task or the CLI's --env asks for.
+        what: who asked, named in the error ("task 'A cold'").
+    """
+    bad = sorted(k for k in (env or {}) if k.upper() in LAB_ENV or k.upper().endswith(("_BASE_URL", "_PROXY")))
+    if bad:
+        raise AgentLayerError(
+            f"{what} sets {', '.join(bad)}: the lab sets where the agent's calls go (the recording proxy, so "
+            "every call is captured), its home and config, and a dummy key; a task may not override them",
+            hint="Drop these names from the task's env (--env)")
+
+
+def sealed_env(home: Path, extra: dict[str, str] | None = None, *, route: dict[str, str] | None = None) -> dict[str, str]:
     """The whole environment of an agent process: PATH and locale from ours, nothing else of
-    the user's, a throwaway HOME, the quiet switches, a dummy key; `extra` on top (the
-    route's URL, model names, a timeout) but never a different HOME or a real key."""
+    the user's, a throwaway HOME, the quiet switches, a dummy key; `extra` on top (model names,
+    a timeout; checked by `check_env`), then `route`, the lab's own (the proxy's base URL).
+
+    Args:
+        home: the throwaway home (HOME, CODEX_HOME and XDG_CONFIG_HOME inside it).
+        extra: the task's environment; a name the lab owns is refused.
+        route: what the lab sets last, e.g. {"ANTHROPIC_BASE_URL": proxy_url}.
+    """
     import os
+    check_env(extra)
     home.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TERM", "TMPDIR", "TZ")}
     env.update(QUIET_ENV, HOME=str(home), CODEX_HOME=str(home / ".codex"), XDG_CONFIG_HOME=str(home / ".config"),
                ANTHROPIC_API_KEY=DUMMY_KEY, COURSE_API_KEY=DUMMY_KEY)
-    for k, v in (extra or {}).items():
-        if k in ("HOME", "CODEX_HOME", "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "OPENAI_API_KEY"):
-            raise AgentLayerError(f"{k} is set by the lab (a throwaway home, a dummy key), not by the caller")
-        env[k] = str(v)
+    env.update({k: str(v) for k, v in (extra or {}).items()})
+    env.update(route or {})
     return env
 
 

@@ -7,15 +7,16 @@ by trusting settings: on Linux the agent, the recording proxy and the model serv
 inside a new network namespace (`unshare -n`) whose only interface is `lo`, brought up by
 hand. A packet to anywhere else has no route; nothing can leave the machine.
 
-    argv = netns.wrap([sys.executable, "-m", "infercourse.ops.agent_lab", spec])
+    argv = netns.wrap([sys.executable, "-m", "infercourse.ops.agent_lab_child", spec])
     subprocess.run(argv)          # the child checks `only_loopback()` before it starts anything
 
 `unshare -n` needs CAP_SYS_ADMIN: root has it; an ordinary user gets it inside a new user
 namespace (`unshare -rn`, where the kernel allows unprivileged user namespaces). Where no
-namespace can be made, `wrap` refuses (`AgentLayerError`) unless the caller passes
-`allow_host_network=True` (the CLI's `--no-netns`), which tests and `make course` never do.
-On macOS there are no network namespaces: the agent runs as a normal process against a
-loopback URL, and the course says so.
+namespace can be made, `wrap` refuses (`AgentLayerError`). `host_network=True` (the CLI's
+`--no-netns`, which tests and `make course` never pass) asks for no namespace at all: no
+`unshare`, the host's network, and the run's manifest says so. On macOS there are no network
+namespaces: the agent runs as a normal process against a loopback URL, and the course says so.
+`isolates(host_network)` says which of the two a run gets, before it starts.
 
 Written by hand (stdlib `fcntl`/`socket`, ~20 lines): bringing `lo` up is one ioctl, so the
 lab does not depend on iproute2 being installed, and `socket.if_nameindex()` is the check
@@ -34,7 +35,7 @@ import sys
 
 from infercourse.core.errors import AgentLayerError
 
-__all__ = ["available", "why_not", "wrap", "bring_up_loopback", "interfaces", "only_loopback",
+__all__ = ["available", "why_not", "isolates", "wrap", "bring_up_loopback", "interfaces", "only_loopback",
            "assert_only_loopback"]
 
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
@@ -73,20 +74,29 @@ def available() -> bool:
     return why_not() is None
 
 
-def wrap(argv: list[str], *, allow_host_network: bool = False) -> list[str]:
-    """`argv` to run inside a new loopback-only network namespace.
+def isolates(host_network: bool = False) -> bool:
+    """Does `wrap(argv, host_network=...)` put `argv` in a loopback-only namespace here?
+    False with `host_network` (no `unshare` at all) and on macOS; True where one can be made
+    on Linux (and where none can, `wrap` refuses)."""
+    return not host_network and sys.platform.startswith("linux")
+
+
+def wrap(argv: list[str], *, host_network: bool = False) -> list[str]:
+    """`argv` to run inside a new loopback-only network namespace (`unshare -n`).
 
     Args:
         argv: the command; it must call `bring_up_loopback()` and `assert_only_loopback()`
-            itself before it starts a server or an agent (the agent lab does).
-        allow_host_network: where no namespace can be made, run `argv` as it is instead of
-            refusing (macOS always; on Linux only when a user asked for it explicitly).
+            itself before it starts a server or an agent (the agent lab does), when
+            `isolates(host_network)`.
+        host_network: no namespace: `argv` as it is, on the host's network (the CLI's
+            `--no-netns`; macOS always runs so). A namespace without `lo` brought up would
+            reach nothing, not even its own server, so there is no half-way.
     """
+    if not isolates(host_network):
+        return list(argv)
     reason = why_not()
     if reason is None:
         return [*_unshare_argv(), *argv]
-    if sys.platform == "darwin" or allow_host_network:
-        return list(argv)
     raise AgentLayerError(
         f"cannot make a loopback-only network namespace here: {reason}; a real agent runs only "
         "inside one", hint="run as root or enable unprivileged user namespaces "

@@ -21,8 +21,10 @@ A workshop's shared server listens beyond loopback, and then it must check a key
 `--host` other than 127.0.0.1 is refused without a key. The key comes from $INFERCOURSE_API_KEY
 or a file, never from serve's command line, which `ps` shows to every user of the machine
 (`--api-key KEY` is refused for that reason). It goes to the server's own key option, through
-the variable the server reads for it, so llama-server and vLLM check it on every request
-(learners pass it as `OpenAIHTTPEngine(url, api_key=...)` or `bench --api-key`).
+the variable the server reads for it, so llama-server and vLLM check it on every request.
+Learners pass it the same way: `OpenAIHTTPEngine(url, api_key=...)` in a notebook, and
+`bench`, which reads it from `--api-key-file FILE` or $INFERCOURSE_API_KEY and refuses
+`--api-key KEY` for the same reason (`KeyFile` reads the file for both).
 mlx_lm.server has no such option and is refused as a shared server.
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ import sys
 import threading
 from pathlib import Path
 
-__all__ = ["serve_parser", "make_server", "serve_main"]
+__all__ = ["serve_parser", "make_server", "serve_main", "KeyFile"]
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -67,8 +69,8 @@ def serve_parser() -> argparse.ArgumentParser:
                         "($INFERCOURSE_API_KEY or --api-key-file)")
     # The key the server checks on every request (`Authorization: Bearer KEY`): from the
     # environment or a file, never from argv, which `ps` shows to every user of the machine.
-    p.set_defaults(api_key=os.environ.get("INFERCOURSE_API_KEY") or None)
-    g.add_argument("--api-key-file", metavar="FILE", action=_KeyFile,
+    g.add_argument("--api-key-file", metavar="FILE", action=KeyFile, dest="api_key",
+                   default=os.environ.get("INFERCOURSE_API_KEY") or None,
                    help="file holding the key the server checks on every request, as `Authorization: "
                         "Bearer KEY` (default: $INFERCOURSE_API_KEY); never written to the log")
     # Kept only to refuse it: without it argparse would take `--api-key K` as an
@@ -79,17 +81,18 @@ def serve_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _KeyFile(argparse.Action):
-    """`--api-key-file FILE`: the file's one line becomes `api_key`."""
+class KeyFile(argparse.Action):
+    """`--api-key-file FILE` (serve's and bench's): the file's one line becomes the
+    argument's `dest`; a file that cannot be read or holds more than one line is a usage error."""
 
     def __call__(self, parser, namespace, value, option_string=None):
         try:
             key = Path(value).expanduser().read_text().strip()
         except OSError as e:
-            parser.error(f"--api-key-file: cannot read {value}: {e.strerror or e}")
+            parser.error(f"{option_string}: cannot read {value}: {e.strerror or e}")
         if not key or "\n" in key:
-            parser.error(f"--api-key-file: {value} must hold one key on one line")
-        setattr(namespace, "api_key", key)
+            parser.error(f"{option_string}: {value} must hold one key on one line")
+        setattr(namespace, self.dest, key)
 
 
 def _check_sharing(p: argparse.ArgumentParser, a: argparse.Namespace, extra: list[str]) -> None:

@@ -39,8 +39,8 @@ def _tokenizer(a: argparse.Namespace, engine):
 def build_workload(a: argparse.Namespace, engine, salt: str | None):
     from infercourse.measure import workloads as wl
     from infercourse.core.types import Request
-    from infercourse.cli_load import dataset_workload
-    if a.sessions or a.session_counts or a.dataset is not None:   # built by cli_load
+    from infercourse.cli.load import dataset_workload
+    if a.sessions or a.session_counts or a.dataset is not None:   # built by cli.load
         return dataset_workload(a)
     if a.workload == "agentic":
         return wl.agentic_workload()

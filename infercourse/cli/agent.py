@@ -1,13 +1,16 @@
 """`infercourse agent ...`: run a real coding agent against the course's server, captured.
 
-    infercourse agent install                       # npm ci of the pinned agents (cache folder)
+    infercourse agent install                       # the pinned agents, scripts off (cache folder)
     infercourse agent status                        # what is installed
     infercourse agent run --agent claude-code --task "Say hello" [--task ...] [--small]
     infercourse agent report DIR                    # the capture table of a finished run
 
 `run` starts llama-server, the recording proxy and the agent inside a loopback-only network
 namespace (`ops.agent_lab`), one task after another on one server, and prints one row per
-call and one per task. `--small` shrinks Claude Code's request with its own flags (a short
+call and one per task, then where the agents ran (the manifest's network line). `--no-netns`
+makes no namespace at all (host network: the agent can reach the internet, and the output
+says so); `--env` may not name a base URL, a proxy variable, a home or a key: the lab sets
+those, so every call goes through the recording proxy (`agents.check_env`). `--small` shrinks Claude Code's request with its own flags (a short
 system prompt, one tool); `--extend-context N` serves N tokens of context to a model trained
 on fewer (metadata override + YaRN). The results folder holds the request bodies: they are
 the vendors' prompt text, and stay there.
@@ -36,7 +39,7 @@ def _env(items: list[str]) -> dict[str, str]:
 def _print_tables(out: Path) -> None:
     import pandas as pd
 
-    from infercourse.ops.agent_lab import calls_table, tasks_table
+    from infercourse.ops.agent_lab import calls_table, network_line, tasks_table
     with pd.option_context("display.width", 220, "display.max_columns", 30, "display.max_colwidth", 60):
         calls = calls_table(out)
         cols = [c for c in ("task", "api", "path", "model", "status", "ttft_s", "e2e_s", "prompt_tokens",
@@ -45,7 +48,7 @@ def _print_tables(out: Path) -> None:
         print(calls[cols].to_string(float_format=lambda v: f"{v:.3g}"))
         print()
         print(tasks_table(out).to_string(float_format=lambda v: f"{v:.3g}"))
-    print(f"\nresults: {out}")
+    print(f"\n{network_line(out)}\nresults: {out}")
 
 
 def agent_main(argv: list[str] | None = None) -> int:
@@ -66,7 +69,8 @@ def agent_main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=float, default=600.0, help="seconds per task before it is killed")
     r.add_argument("--out", type=Path, help="results folder (default: a new one under build/results/agent)")
     r.add_argument("--no-netns", action="store_true",
-                   help="where no network namespace can be made, run on the host network (NOT loopback-only)")
+                   help="no network namespace: run on the host network (NOT loopback-only; the agent can "
+                        "reach the internet)")
     a = p.parse_args(argv)
     from infercourse.core.errors import InferCourseError
     from infercourse.ops import agents
@@ -86,10 +90,15 @@ def agent_main(argv: list[str] | None = None) -> int:
         env = _env(a.env)
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
+    try:
+        agents.check_env(env, what="--env")
+    except InferCourseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tasks = [Task(f"task {i}", a.agent, t, env=env, timeout_s=a.timeout, **small) for i, t in enumerate(a.task)]
     ctx = a.extend_context or a.ctx
     spec = LabSpec(str(a.out or results_dir("agent")), tasks, ctx=ctx, threads=a.threads,
-                   server_args=EXTEND_CONTEXT(ctx) if a.extend_context else [], allow_host_network=a.no_netns)
+                   server_args=EXTEND_CONTEXT(ctx) if a.extend_context else [], host_network=a.no_netns)
     try:
         out = run_lab(spec)
     except InferCourseError as e:

@@ -1,9 +1,15 @@
-"""`infercourse bench ...` and `infercourse report DIR...`: the measurement core from a shell.
+"""`infercourse bench ...`: the measurement core from a shell.
 
 `bench` runs one load pattern (or a concurrency sweep) against an engine, writes a results
-folder and prints a summary with its warnings; `report` puts finished runs side by side
-with the conditions that differ between them. Both are thin: every number comes from
-`bench`, `metrics` and `results`, exactly as in the notebooks.
+folder and prints a summary with its warnings (`cli.report` puts finished runs side by side).
+It is thin: every number comes from `bench`, `metrics` and `results`, exactly as in the
+notebooks; its workload is built by `cli.workload`, its session and rate-sweep modes by
+`cli.load`.
+
+A server that checks a key (a room's, started by `infercourse serve --host ...`) gets it from
+`--api-key-file FILE`, else `$INFERCOURSE_API_KEY`, else the API's own variable
+(`$OPENAI_API_KEY`, `$ANTHROPIC_API_KEY`): never from bench's command line, which `ps` shows
+to every user of the machine. It is sent as a header and never written to the results.
 
 Exit codes: 0 done, 1 the run failed for a reason infercourse names (any
 `InferCourseError`: one line on stderr, no traceback), 2 bad usage, 130 interrupted
@@ -19,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["bench_main", "report_main", "parse_slos"]
+__all__ = ["bench_main", "bench_parser", "parse_slos", "clean_errors", "api_key"]
 
 WORKLOADS = ("fixed", "shared-prefix", "shared-prefix-timestamp", "shared-prefix-reordered", "agentic",
              "coding-agent")
@@ -90,8 +96,15 @@ def bench_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=_positive(int), help="llamacpp CPU threads (default: physical cores)")
     g.add_argument("--n-ctx", type=_positive(int), default=8192, help="llamacpp context window (default 8192)")
     g.add_argument("--allow-remote", action="store_true", help="permit a server that is not on loopback")
-    g.add_argument("--api-key", help="bearer token for --engine http (default: $OPENAI_API_KEY); sent as a "
-                                     "header, never written to the results")
+    from infercourse.ops.serve import KeyFile
+    g.add_argument("--api-key-file", metavar="FILE", action=KeyFile, dest="api_key_file_key",
+                   help="file holding the key for --engine http (default: $INFERCOURSE_API_KEY, else "
+                        "$OPENAI_API_KEY / $ANTHROPIC_API_KEY); sent as a header, never written to the results")
+    # Kept only to refuse it (a key on argv is in `ps`); without it argparse would read
+    # `--api-key K` as an abbreviation of --api-key-file and open a file named K.
+    g.add_argument("--api-key", dest="api_key_on_argv", metavar="KEY",
+                   help="refused: a key on the command line is visible in `ps`; use --api-key-file or "
+                        "$INFERCOURSE_API_KEY")
     g.add_argument("--logprobs", action="store_true",
                    help="ask the server for logprobs (exact tokens per chunk even when a chunk holds "
                         "several; costs server time per token)")
@@ -136,7 +149,7 @@ def bench_parser() -> argparse.ArgumentParser:
     g.add_argument("--roofline", action="store_true",
                    help="probe this machine (~5 s) and print the decode ceiling and bandwidth utilisation")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    from infercourse.cli_load import add_load_args
+    from infercourse.cli.load import add_load_args
     add_load_args(p, _positive(int))
     return p
 
@@ -159,11 +172,27 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         (a.roofline and a.engine != "llamacpp",
          "--roofline needs --engine llamacpp: the ceiling is computed from the local model file"),
         (a.warmup < 0, f"--warmup must be >= 0, got {a.warmup}"),
-        (a.engine != "http" and (a.api_key or a.logprobs), "--api-key and --logprobs only apply to --engine http"),
+        (a.engine != "http" and (a.api_key_file_key or a.logprobs),
+         "--api-key-file and --logprobs only apply to --engine http"),
         (a.tokenizer is not None and not a.tokenizer.exists(), f"--tokenizer {a.tokenizer}: no such file or folder"),
     ) if bad]
     if wrong:
         p.error(wrong[0])
+    if a.api_key_on_argv:
+        p.error("--api-key KEY puts the key on bench's command line, visible to every user of this machine "
+                "(`ps`): give --api-key-file FILE or set INFERCOURSE_API_KEY")
+
+
+def api_key(a: argparse.Namespace, api: str) -> str | None:
+    """The key bench sends: --api-key-file's, else $INFERCOURSE_API_KEY (a room's key, as
+    `serve` reads it), else the API's own variable; None: no Authorization header.
+
+    Args:
+        a: the parsed arguments.
+        api: "anthropic" or an OpenAI API ("chat", "completions", "openai").
+    """
+    own = "ANTHROPIC_API_KEY" if api == "anthropic" else "OPENAI_API_KEY"
+    return a.api_key_file_key or os.environ.get("INFERCOURSE_API_KEY") or os.environ.get(own) or None
 
 
 def _print_summary(r, slos=None) -> None:
@@ -184,7 +213,7 @@ def _print_summary(r, slos=None) -> None:
     print(f"results: {r.dir}", file=out)
 
 
-def _clean_errors(main):
+def clean_errors(main):
     """Every InferCourseError is a named failure, not a bug: one line on stderr, exit 1
     (after the summary of whatever finished). Anything else keeps its traceback."""
     @functools.wraps(main)
@@ -203,26 +232,24 @@ def _clean_errors(main):
     return wrapper
 
 
-@_clean_errors
+@clean_errors
 def bench_main(argv: list[str] | None = None) -> int:
     """`infercourse bench`: returns the exit code (0 ok, 1 run failed, 2 bad usage, 130 interrupted)."""
     p = bench_parser()
     a = p.parse_args(argv)
     _check(p, a)
-    from infercourse.cli_load import check_load_args, run_load_mode
+    from infercourse.cli.load import check_load_args, run_load_mode
     check_load_args(p, a)
     from infercourse.measure import bench
     if a.api == "anthropic" and (a.ignore_eos or a.logprobs):
         p.error("--api anthropic: the Messages API has no field for --ignore-eos or --logprobs")
     if a.engine == "http" and a.api == "anthropic":
         from infercourse.engines.anthropic_http import AnthropicHTTPEngine
-        engine = AnthropicHTTPEngine(a.url, model=a.model,
-                                     api_key=a.api_key or os.environ.get("ANTHROPIC_API_KEY") or None)
+        engine = AnthropicHTTPEngine(a.url, model=a.model, api_key=api_key(a, a.api))
     elif a.engine == "http":
         from infercourse.engines.openai_http import OpenAIHTTPEngine
         engine = OpenAIHTTPEngine(a.url, model=a.model, api="chat" if a.api == "openai" else a.api,
-                                  logprobs=a.logprobs,
-                                  api_key=a.api_key or os.environ.get("OPENAI_API_KEY") or None)
+                                  logprobs=a.logprobs, api_key=api_key(a, a.api))
     else:
         from infercourse.engines.llamacpp import LlamaCppEngine
         engine = LlamaCppEngine(a.model, n_ctx=a.n_ctx, n_threads=a.threads, seed=a.seed)
@@ -231,7 +258,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     # one's prompts): its prompts are built with a salt of the same form, so they may be a
     # token or two off where another salt tokenizes differently.
     salt = None if a.no_salt or a.workload != "fixed" else bench.new_salt()
-    from infercourse.cli_workload import build_workload
+    from infercourse.cli.workload import build_workload
     work = build_workload(a, engine, salt)
     kw = dict(seed=a.seed, warmup=a.warmup, max_duration_s=a.duration, out_dir=a.out, label=a.label,
               ignore_eos=True if a.ignore_eos else None, progress=not a.no_progress,
@@ -264,51 +291,3 @@ def _print_roofline(engine, r) -> None:
     dec = float(r.df["decode_tok_per_s"].median())
     print(f"roofline: {machine['bandwidth_gbs']:.3g} GB/s read -> decode ceiling {ceiling:.4g} tok/s at "
           f"context {ctx:.0f}; measured p50 {dec:.4g} tok/s = {dec / ceiling:.1%} bandwidth utilisation")
-
-
-@_clean_errors
-def report_main(argv: list[str] | None = None) -> int:
-    """`infercourse report DIR...`: a comparison table and the conditions that differ."""
-    p = argparse.ArgumentParser(prog="infercourse report", description=(
-        "Compare finished runs: throughput, error rate and p50/p90/p99 latencies side by side, "
-        "then every recorded condition that differs between them."))
-    p.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="results folders written by bench")
-    p.add_argument("--metric", action="append", help="metrics to compare (repeatable; default ttft_s, "
-                                                     "tpot_s, e2e_s, decode_tok_per_s)")
-    p.add_argument("--plot", type=Path, help="save a latency CDF of all runs to this image file")
-    p.add_argument("--plot-metric", default="ttft_s", help="metric of the --plot CDF (default ttft_s)")
-    a = p.parse_args(argv)
-    missing = [str(d) for d in a.dirs if not (d / "manifest.json").is_file()]
-    if missing:
-        p.error(f"not a results folder (no manifest.json): {', '.join(missing)}")
-    import pandas as pd
-
-    from infercourse.measure import results
-    from infercourse.measure.server_samples import server_lines
-    runs = [results.load_run(d) for d in a.dirs]
-    metric_names = a.metric or ("ttft_s", "tpot_s", "e2e_s", "decode_tok_per_s")
-    table = results.compare(runs, metric_names)
-    keep = [c for c in table.columns if not c.endswith(("_lo", "_hi"))]
-    with pd.option_context("display.width", 200, "display.max_columns", 50):
-        print(table[keep].T.to_string(float_format=lambda v: f"{v:.4g}"))
-        diff = results.differing_conditions(runs)
-        print("\nconditions that differ:" if len(diff) else "\nno recorded condition differs")
-        if len(diff):
-            print(diff.to_string())
-    for run in runs:
-        for w in run.manifest.get("warnings", []):
-            print(f"WARNING [{run.label}]: {w}")
-        for line in server_lines(run.manifest):   # what the server said during the run
-            print(f"[{run.label}] {line}")
-    if a.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        from infercourse.measure import plots
-        df = pd.concat([r.df.assign(run=r.label) for r in runs], ignore_index=True)
-        plots.latency_cdf(df, a.plot_metric, by="run").figure.savefig(a.plot, dpi=120, bbox_inches="tight")
-        print(f"plot: {a.plot}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(bench_main())

@@ -1,0 +1,156 @@
+"""What a real-agent run showed, in words computed from its own numbers (notebook 20).
+
+Notebook 20's markdown explains mechanisms (the prefix cache, the billing header, the
+window the agent assumes, a client timeout); whether the warm call was faster, whether the
+header cost a new task its prefix, whether the agent compacted and whether a short timeout
+made the server pay twice can only come from the run. Each function here takes the tables
+`lessons.real_agent` and `lessons.real_agent_session` build from a lab run's folder (or
+their plain dicts) and returns a sentence that flips when the numbers flip; where the
+numbers cannot decide (a cold/warm ratio inside the spread of two warm runs), it says so.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+__all__ = ["cold_warm_sentence", "header_sentence", "amplification_sentence", "plan_sentence", "compaction_sentence"]
+
+
+def _fold(ratio: float) -> str:
+    """A ratio and its inverse read the same way: 0.5 is "2.0x", 25 is "25x"."""
+    r = ratio if ratio >= 1 else 1 / ratio
+    return f"{r:.0f}x" if r >= 10 else f"{r:.1f}x"
+
+
+def cold_warm_sentence(tab: pd.DataFrame, cold: str, warm: str, again: str) -> str:
+    """What the cold and the two warm runs of one task showed, with the warm pair as the A/A
+    spread (one pair: a range, not an interval): the warm call faster or slower, by the fold
+    (a slower warm call's ratio is inverted, so "2.0x slower", never "0x"), only beyond it.
+
+    Args:
+        tab: `real_agent.evaluated_by_task` (ttft_s, evaluated_tokens per task).
+        cold, warm, again: the three tasks' labels (the same task three times).
+    """
+    c, w, a = (tab.loc[k] for k in (cold, warm, again))
+    aa = max(w["ttft_s"], a["ttft_s"]) / min(w["ttft_s"], a["ttft_s"]) - 1
+    ratio = c["ttft_s"] / w["ttft_s"]
+    beyond = ratio > 1 + aa or ratio < 1 / (1 + aa)
+    how = (f"a cold/warm ratio of {ratio:.2f}" if not beyond else
+           f"{_fold(ratio)} faster warm" if ratio > 1 else f"{_fold(ratio)} slower warm")
+    return (f"The cold call evaluated {c['evaluated_tokens']:.0f} prompt tokens and waited {c['ttft_s']:.2f} s "
+            f"for its first token; the same task again evaluated {w['evaluated_tokens']:.0f} and waited "
+            f"{w['ttft_s']:.2f} s ({how}). The two warm runs differ by {aa:.0%} (one A/A pair: a range, not an "
+            "interval); the cold/warm ratio is "
+            + ("beyond it." if beyond else "within it: this run cannot tell them apart."))
+
+
+def header_sentence(tab: pd.DataFrame, on: str, off: str) -> str:
+    """Re-prefill of a new task with the header on against with it off (first calls): more,
+    fewer, or as many prompt tokens evaluated with the header on."""
+    a, b = tab.loc[on], tab.loc[off]
+
+    def of(r) -> str:
+        if pd.isna(r["prompt_tokens"]):   # a usage block without input tokens: said, not guessed
+            return f"{r['evaluated_tokens']:.0f} prompt tokens (the server's usage gave no prompt size)"
+        return (f"{r['evaluated_tokens']:.0f} of its {r['prompt_tokens']:.0f} prompt tokens "
+                f"({r['evaluated_tokens'] / r['prompt_tokens']:.0%})")
+    ea, eb = a["evaluated_tokens"], b["evaluated_tokens"]
+    verdict = ("More with the header on." if ea > eb else "Fewer with the header on." if ea < eb else
+               "As many with the header on as off: here the header cost nothing.")
+    return (f"A new task with the header on evaluated {of(a)}; first difference: {a['first_diff']}. With "
+            f"CLAUDE_CODE_ATTRIBUTION_HEADER=0 a new task evaluated {of(b)}; first difference: "
+            f"{b['first_diff']}. {verdict}")
+
+
+_SIZE_FROM = {"server usage": "", "server refusal": " (the size the server's refusal named: no copy was answered)",
+              "request body": " (its parts counted from the captured body: no copy was answered)"}
+
+
+def amplification_sentence(tab: pd.DataFrame, short: str, fixed: str) -> str:
+    """What the short and the long client timeout cost the server, computed from
+    `real_agent.amplification` (where no copy was answered, the sentence says where the
+    request's size came from; where none did, that no ratio was computed)."""
+    def one(r) -> str:
+        retried = f"{r['copies']:.0f} copies of its first request" if r["copies"] > 1 else "its first request once (no retry)"
+        said = f"sent {retried}, {r['answered']:.0f} answered; the server evaluated {r['server_evaluated']:.0f} prompt tokens"
+        if pd.isna(r["amplification"]):
+            return said + " (no request size or no evaluated count: no amplification computed)"
+        return (f"{said} for a request of {r['request_tokens']:.0f}{_SIZE_FROM.get(r.get('size_from'), '')} "
+                f"({r['amplification']:.1f}x)")
+    return f"With the short timeout the agent {one(tab.loc[short])}. With the long one it {one(tab.loc[fixed])}."
+
+
+def plan_sentence(plan: dict[str, int]) -> str:
+    """The window the session gets and where the told agent's limits fall, from `real_agent.compaction_plan`."""
+    w, t, b, f = plan["window"], plan["compacts_above"], plan["refuses_above"], plan["first_turn"]
+    told = ("below the first turn: told, it refuses to send at all" if b < f else
+            "below the first turn: told, it compacts at every call" if t < f else
+            f"{t - f:,} tokens above the first turn: told, it compacts once the session has grown that much")
+    as_is = ("beyond the window: as is, the session outgrows the server in its last turn"
+             if plan["last_turn"] > w else "within the window: as is, the session does not outgrow this server")
+    return (f"The session's first turn is about {f:,} tokens; each turn pastes up to {plan['paste_tokens']:,}, and "
+            f"the last turn holds at least {plan['last_turn']:,}, {as_is}. The server's window: {w:,} tokens. Told "
+            f"it, with answers capped at {plan['max_output']:,}, this agent version refuses to send a prompt it counts "
+            f"over {b:,} tokens (its own count, which need not match the server's), and its compaction threshold is "
+            f"{t:,}, {told}.")
+
+
+def _session_read(v: pd.DataFrame) -> dict[str, Any]:
+    """What one growing session showed, from `real_agent_session.session_view`."""
+    sent = v[v["status"] != "not sent"].reset_index(drop=True)
+    by_server = sent[sent["refused_by"] == "server"]
+    rewrites = sent.index[sent["rewrote_history"].fillna(False).astype(bool)]
+    first = rewrites[0] if len(rewrites) else None
+    before = sent["prompt_tokens"].iloc[:first].dropna() if first is not None else pd.Series(dtype=float)
+    turns = v.drop_duplicates("turn")
+    return {"calls": len(sent), "largest": sent["prompt_tokens"].max(), "server_refused": len(by_server),
+            "first_refused": by_server["turn"].iloc[0] if len(by_server) else None,
+            "not_sent": int((v["refused_by"] == "agent").sum()), "timeouts": int((turns["ended"] == "timeout").sum()),
+            "rewrites": len(rewrites), "rewrite_turn": sent["turn"].iloc[first] if first is not None else None,
+            "rewrote_after_refusal": first is not None and len(by_server) > 0 and first > by_server.index[0],
+            "before": before.iloc[-1] if len(before) else float("nan"),
+            "after": sent["prompt_tokens"].iloc[first] if first is not None else float("nan"),
+            "window": v["agent_window"].max(), "compact_logged": list(turns.loc[turns["compact_logged"], "turn"])}
+
+
+def _session_clause(name: str, r: dict[str, Any]) -> str:
+    said = (f"the agent reported a window of {r['window']:,.0f} tokens" if r["window"] == r["window"]
+            else "the agent reported no window")
+    refused = (f"the server refused {r['server_refused']} of its {r['calls']} calls, the first in {r['first_refused']}"
+               if r["server_refused"] else f"the server refused none of its {r['calls']} calls")
+    if r["not_sent"]:
+        refused += f"; the agent refused to send {r['not_sent']} turn(s) itself"
+    if r["rewrites"]:
+        move = "dropped" if r["after"] < r["before"] else "did not drop"
+        hist = (f"it rewrote its history {r['rewrites']} time(s), first in {r['rewrite_turn']}, and the prompt {move}: "
+                f"{r['before']:,.0f} tokens on the call before, {r['after']:,.0f} on the rewritten call")
+    elif r["compact_logged"]:
+        hist = (f"it logged a compaction query in {', '.join(r['compact_logged'])}, but no call started from a "
+                f"summary: its history was never rewritten")
+    else:
+        hist = "its history was never rewritten"
+    bound = f"; {r['timeouts']} turn(s) hit the task's time bound" if r["timeouts"] else ""
+    return f"{name}, {said}: {refused}; {hist}; its largest prompt was {r['largest']:,.0f} tokens{bound}"
+
+
+def compaction_sentence(as_is: pd.DataFrame, told: pd.DataFrame, window: int) -> str:
+    """What the two growing sessions (`session_view`s) showed on a `window`-token server: the
+    window each agent reported, the refusals (the server's, and the agent's own), whether and
+    where the history was rewritten and the prompt size around it, the turns cut by the time
+    bound, and what, from these, the run shows about compaction."""
+    a, t = _session_read(as_is), _session_read(told)
+    if t["rewrites"] and t["after"] < t["before"]:
+        verdict = "Told the window, the agent compacted" + (
+            f", and still the server refused {t['server_refused']} of its calls" if t["server_refused"]
+            else " and the server refused none of its calls") + (
+            "; as is, the server refused the session" + (", and the agent compacted only after that refusal."
+                                                          if a["rewrote_after_refusal"] else ".") if a["server_refused"] else
+            "; as is, the session never outgrew this server, so this run does not show a refusal that compaction prevented.")
+    elif t["compact_logged"]:
+        verdict = ("Told the window, the agent started compacting but did not finish a compaction in this run: "
+                   "no prompt drop to show.")
+    else:
+        verdict = ("Told the window, the agent did not compact in this run"
+                   + (" (it refused to send instead)" if t["not_sent"] else "") + ": no prompt drop to show.")
+    return f"On a {window:,}-token server. {_session_clause('As is', a)}. {_session_clause('Told the window', t)}. {verdict}"
