@@ -18,7 +18,7 @@ from importlib import metadata
 from typing import Any
 
 __all__ = ["UpstreamChanged", "llama_model_ptr", "llama_vocab_ptr", "llama_context_ptr",
-           "llama_token_text", "llama_cached_prefix", "ollama_http_client"]
+           "llama_token_text", "llama_cached_prefix", "ggml_lib", "ollama_http_client"]
 
 
 class UpstreamChanged(RuntimeError):
@@ -92,6 +92,26 @@ def llama_cached_prefix(llm: Any, tokens: list[int]) -> int:
     if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
         return 0
     return max(0, common - 1 if whole else common)
+
+
+def ggml_lib() -> Any:
+    """ggml's C library as llama-cpp-python loaded it (`llama_cpp._ggml.libggml`, a private
+    module), with the three functions an eval callback needs to read a tensor typed: its
+    name, its data pointer and its element count (`measure.batch_steps` observes the MoE
+    router's picks this way)."""
+    import ctypes
+    import importlib
+    try:
+        mod = importlib.import_module("llama_cpp._ggml")
+    except ImportError:
+        raise UpstreamChanged("llama_cpp_python has no `llama_cpp._ggml` (runtime layer): "
+                              "infercourse.compat needs updating for this version") from None
+    g = _get(mod, "libggml", "llama_cpp_python")
+    for fn, res in (("ggml_get_name", ctypes.c_char_p), ("ggml_get_data", ctypes.c_void_p),
+                    ("ggml_nelements", ctypes.c_int64)):
+        f = _get(g, fn, "llama_cpp_python")
+        f.restype, f.argtypes = res, [ctypes.c_void_p]
+    return g
 
 
 def ollama_http_client(client: Any) -> Any:

@@ -1,6 +1,8 @@
 """Every private attribute the course reads from a third-party package, checked against
 the installed version: an upstream rename fails here, by name, not inside a lesson."""
 
+import ctypes
+
 import pytest
 
 from infercourse import compat
@@ -73,3 +75,12 @@ def test_llama_cached_prefix_matches_what_generate_evaluates():
                 assert predicted == expected, name
     finally:
         llm.close()
+
+
+def test_ggml_lib_reads_a_tensors_name():
+    """The ggml library llama-cpp-python loaded, with its tensor readers typed: the MoE lesson
+    observes the router through them."""
+    from infercourse.compat import ggml_lib
+    g = ggml_lib()
+    assert all(hasattr(g, f) for f in ("ggml_get_name", "ggml_get_data", "ggml_nelements"))
+    assert g.ggml_get_name.restype is ctypes.c_char_p and g.ggml_nelements.restype is ctypes.c_int64

