@@ -35,6 +35,8 @@ AUDITED = {
     "lessons/latency.py:clock_verdicts": "verdict column (the verdict string, tested below)",
     "lessons/memory.py:_judged": "verdict column (the verdict string)",
     "lessons/model_routing.py:judge": "_verdict_lines (tested below)",
+    "lessons/moe_claims.py:batch1_comparisons": "claims.verdict_sentence in speed_sentence, which ranks only .decided",
+    "lessons/plumbing.py:explain_layers": "claims.verdict_sentence",
     "lessons/mtp_decode.py:draft_length_run": "draft_verify.compare_drafters' verdict column",
     "lessons/routing.py:judge_policies": "claims.verdict_sentence in policy_text",
     "lessons/speculative.py:_judge": "verdict column; spec_claims.outcome() (tested below)",

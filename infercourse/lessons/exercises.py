@@ -83,7 +83,7 @@ def score_guess(guess: float | None, ceiling: float, measured: float, *, unit: s
             a minimum time such as TTFT; "prediction" for plain arithmetic).
     """
     if guess is None:
-        print("No guess recorded: set MY_GUESS before the Predict cell next time, then compare.")
+        print("Not answered yet: write your guess in this cell's MY_... variable before it runs, then compare.")
         return None
     if not all(math.isfinite(x) and x > 0 for x in (float(guess), ceiling, measured)):
         raise ValueError("guess, ceiling and measurement must be positive numbers")

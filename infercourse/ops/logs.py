@@ -11,7 +11,7 @@ sees every line the lesson prints. Child processes inherit the file too.
 A few Python loggers write to the kernel's `sys.stderr` object on import, above the
 descriptors: torchao (CUDA-only extensions that fail to load on a CPU), torch's pytree
 deprecation notes, bitsandbytes (a missing optional CPU kernel). Their records go to the
-same file (`models.quant_formats.CHATTY_LOGGERS`), set before those libraries are imported.
+same file (`models.quiet.CHATTY_LOGGERS`), set before those libraries are imported.
 
 Hand-written because it is the `dup2` of two descriptors: no library does less.
 """
@@ -80,7 +80,7 @@ def _python_loggers_to(path: Path) -> None:
     # the loggers whose import-time chatter reached notebook cells (04 printed four lines)
     import logging
 
-    from infercourse.models.quant_formats import CHATTY_LOGGERS
+    from infercourse.models.quiet import CHATTY_LOGGERS
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     for name in CHATTY_LOGGERS:

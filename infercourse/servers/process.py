@@ -101,7 +101,7 @@ class Server:
                                    hint="share llama-server or vLLM instead; this one serves 127.0.0.1 only")
         if not is_loopback(host) and not api_key:
             raise ServerLayerError(f"refusing to listen on {host} without an API key: anyone who can reach "
-                                   "that address could use the server", hint="give api_key= (serve: --api-key)")
+                                   "that address could use the server", hint="give api_key= (serve: $INFERCOURSE_API_KEY or --api-key-file)")
         self.host, self.api_key = host, api_key or None
         self.port = port or free_port()
         if startup_timeout_s is not None:
