@@ -187,10 +187,15 @@ def test_soak_summary_names_crash_rate_error_rate_and_uptime_with_units():
                        "scheduled_t": [0.0, 1.0, 2.0, 3.0], "end_t": [1.0, 2.1, 2.5, 3.5]})
     samples = pd.DataFrame({"t_s": [0.0, 1.0, 2.0, 3.0], "up": [True, False, True, True], "rss_mib": 100.0,
                             "pid": [1, 1, 2, 2]})
-    events = [{"t_s": 1.0, "event": "drill_kill"}, {"t_s": 1.2, "event": "crash"},
+    events = [{"t_s": 1.0, "event": "drill_kill", "pid": 1}, {"t_s": 1.2, "event": "crash", "pid": 1},
               {"t_s": 1.8, "event": "restart", "took_s": 0.6}]
     s = soak_summary(df, samples, events, duration_s=360.0)
-    assert s["crashes"] == 1 and s["crash_rate_per_h"] == pytest.approx(10.0)      # 1 crash in 0.1 h
+    # the drill's kill is a crash, but not an unplanned one: 15 printed crash_rate_per_h 120 beside "0 unplanned"
+    assert s["crashes"] == 1 and s["drill_kills"] == 1 and s["crash_rate_per_h"] == 0.0
+    assert "crash rate 0 /h (0 unplanned crash(es) in 0.1 h, plus 1 planned drill kill(s))" in headline(s)
+    events += [{"t_s": 2.5, "event": "crash", "pid": 2}]
+    s = soak_summary(df, samples, events, duration_s=360.0)
+    assert s["crashes_unplanned"] == 1 and s["crash_rate_per_h"] == pytest.approx(10.0)      # 1 crash in 0.1 h
     assert s["incomplete_at_end"] == 1 and s["error_rate_pct"] == pytest.approx(100 / 3)   # cut-off not counted
     assert s["uptime_pct"] == pytest.approx(75.0) and s["drill_at_s"] == 1.0
     line = headline(s)

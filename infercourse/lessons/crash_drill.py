@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from infercourse.core import summary as core_summary
+from infercourse.ops.sampling import unplanned_crashes
 
 __all__ = ["headline", "crash_split", "drill_cost", "drill_story", "lost_guess_text", "summary_table",
            "latency_text"]
@@ -56,12 +57,10 @@ def drill_cost(result) -> int:
 def crash_split(result) -> dict[str, Any]:
     """Planned (drill) and unplanned crashes, and the errors of each kind."""
     events, df = result.events, result.df
-    drills = _drill_pids(events)
-    crashes = [e for e in events if e["event"] == "crash"]
     errors = int((df["status"] == "error").sum()) if len(df) else 0
     cost = drill_cost(result)
     return {"planned": sum(e["event"] == "drill_kill" for e in events),
-            "unplanned": sum(c.get("pid") not in drills for c in crashes),
+            "unplanned": unplanned_crashes(events),
             "drill_errors": cost, "other_errors": errors - cost}
 
 

@@ -83,6 +83,13 @@ def drift(t_s, y, *, ci: float = 0.95, n_boot: int = 1000, seed: int = 0,
             "n": n, "span_s": float(np.ptp(t))}
 
 
+def unplanned_crashes(events: list[dict]) -> int:
+    """Crashes of a server the soak's own crash drill did not kill (a drill's kill is logged
+    as `drill_kill` with the pid it killed, then as a crash of that pid)."""
+    drilled = {e.get("pid") for e in events if e["event"] == "drill_kill"}
+    return sum(e["event"] == "crash" and e.get("pid") not in drilled for e in events)
+
+
 def soak_summary(df: pd.DataFrame, samples: pd.DataFrame, events: list[dict],
                  duration_s: float) -> dict[str, Any]:
     """The soak's headline numbers: requests, error rate, restarts, uptime, latency
@@ -95,11 +102,14 @@ def soak_summary(df: pd.DataFrame, samples: pd.DataFrame, events: list[dict],
     """
     crashes = sum(e["event"] == "crash" for e in events)
     drill = [e["t_s"] for e in events if e["event"] == "drill_kill"]
+    unplanned = unplanned_crashes(events)
     out: dict[str, Any] = {"duration_s": duration_s, "requests": len(df), "crashes": crashes,
+                           "crashes_unplanned": unplanned, "drill_kills": len(drill),
                            "restarts": sum(e["event"] == "restart" for e in events),
                            "downtime_s": float(sum(e.get("took_s", 0) for e in events if e["event"] == "restart")),
-                           # the guide's three: crashes per hour of soak, failed requests, time serving
-                           "crash_rate_per_h": crashes / (duration_s / 3600) if duration_s else float("nan"),
+                           # the guide's three: crashes per hour of soak (the drill's planned kill is
+                           # not one), failed requests, time serving
+                           "crash_rate_per_h": unplanned / (duration_s / 3600) if duration_s else float("nan"),
                            # when a crash drill fired (soak clock, s); NaN: it did not fire inside the soak
                            "drill_at_s": float(drill[0]) if drill else float("nan")}
     # a request cut off by the soak's end is not a server error; count it apart
@@ -140,7 +150,9 @@ def headline(s: dict[str, Any]) -> str:
     the soak's end apart) and uptime (% of samples in which the server answered)."""
     nan = float("nan")
     hours = s.get("duration_s", nan) / 3600
-    return (f"crash rate {s.get('crash_rate_per_h', nan):.3g} /h ({s.get('crashes', 0)} crash(es) in {hours:.3g} h) · "
+    drill = f", plus {s['drill_kills']} planned drill kill(s)" if s.get("drill_kills") else ""
+    return (f"crash rate {s.get('crash_rate_per_h', nan):.3g} /h ({s.get('crashes_unplanned', s.get('crashes', 0))} "
+            f"unplanned crash(es) in {hours:.3g} h{drill}) · "
             f"error rate {s.get('error_rate_pct', nan):.1f} % of {s.get('requests', 0) - s.get('incomplete_at_end', 0)} "
             f"requests ({s.get('incomplete_at_end', 0)} cut off at the end, not counted) · "
             f"uptime {s.get('uptime_pct', nan):.1f} % of samples")
