@@ -224,3 +224,22 @@ def test_report_of_a_broken_run_is_exit_1_not_a_traceback(tmp_path, capsys):
     finally:
         results.load_run = orig
     assert capsys.readouterr().err.startswith("error: run folder unreadable")
+
+
+def test_a_percentile_too_few_requests_support_is_printed_as_n_below(source, tmp_path, capsys):
+    """15 printed a p99 of 20 requests: bench and report show "n<N" where a percentile's
+    interval needs more samples than the run has (`summary.min_n`: 72 for a p95, 368 for a p99)."""
+    from infercourse.cli import report_main
+    from infercourse.core.summary import min_n
+    assert bench_main(common(source.url, tmp_path / "a", "--requests", "6")) == 0
+    out = capsys.readouterr().out
+    assert f"n<{min_n(0.99)}" in out and f"n<{min_n(0.95)}" in out and "not printed" in out
+    assert report_main([str(next((tmp_path / "a").rglob("manifest.json")).parent)]) == 0
+    rep = capsys.readouterr().out
+    assert f"n<{min_n(0.99)}" in rep and "not printed as an estimate" in rep
+
+
+def test_shown_masks_only_the_named_percentiles():
+    from infercourse.core.summary import shown
+    assert shown(1.5, "p99", "p95,p99") == "n<368" and shown(1.5, "p50", "p95,p99") == 1.5
+    assert shown(1.5, "p99", "") == 1.5 and shown(1.5, "p99", float("nan")) == 1.5

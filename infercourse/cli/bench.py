@@ -201,7 +201,14 @@ def _print_summary(r, slos=None) -> None:
     out = sys.stdout  # looked up at call time: notebooks and tests swap it
     if len(r.summary):
         cols = [c for c in ("count", "p50", "p95", "p99", "max") if c in r.summary]
-        print(r.summary[cols].to_string(float_format=lambda v: f"{v:.4g}"), file=out)
+        t = r.summary[cols].astype(object)
+        for m in t.index:          # a percentile its sample cannot support is printed as "n<N"
+            for c in ("p95", "p99"):
+                if c in t:
+                    t.loc[m, c] = summary.shown(t.loc[m, c], c, r.summary.loc[m].get("n_too_small"))
+        print(t.to_string(float_format=lambda v: f"{v:.4g}"), file=out)
+        if any("n<" in str(v) for v in t.to_numpy().ravel()):
+            print("(n<N: fewer samples than that percentile's 95% interval needs; not printed)", file=out)
     t = summary.throughput(r.df) if len(r.df) else {"completed": 0, "requests": 0, "requests_per_s": math.nan,
                                                     "output_tok_per_s": math.nan, "wall_s": math.nan}
     print(f"\n{t['completed']}/{t['requests']} ok, {t['requests_per_s']:.3g} req/s, "

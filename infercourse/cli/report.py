@@ -36,10 +36,18 @@ def report_main(argv: list[str] | None = None) -> int:
     from infercourse.measure.server_samples import server_lines
     runs = [results.load_run(d) for d in a.dirs]
     metric_names = a.metric or ("ttft_s", "tpot_s", "e2e_s", "decode_tok_per_s")
+    from infercourse.core.summary import shown
     table = results.compare(runs, metric_names)
-    keep = [c for c in table.columns if not c.endswith(("_lo", "_hi"))]
+    keep = [c for c in table.columns if not c.endswith(("_lo", "_hi", "_n_too_small"))]
+    view = table[keep].astype(object)
+    for m in metric_names:         # a percentile its sample cannot support is printed as "n<N"
+        for c in ("p90", "p99"):
+            if f"{m}_{c}" in view and f"{m}_n_too_small" in table:
+                view[f"{m}_{c}"] = [shown(v, c, t) for v, t in zip(view[f"{m}_{c}"], table[f"{m}_n_too_small"])]
     with pd.option_context("display.width", 200, "display.max_columns", 50):
-        print(table[keep].T.to_string(float_format=lambda v: f"{v:.4g}"))
+        print(view.T.to_string(float_format=lambda v: f"{v:.4g}"))
+        if any("n<" in str(v) for v in view.to_numpy().ravel()):
+            print("(n<N: fewer requests than that percentile's 95% interval needs; not printed as an estimate)")
         diff = results.differing_conditions(runs)
         print("\nconditions that differ:" if len(diff) else "\nno recorded condition differs")
         if len(diff):

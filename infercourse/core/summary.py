@@ -32,7 +32,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import pandas as pd
 
-__all__ = ["PERCENTILES", "DEFAULT_SUMMARY", "min_n", "order_stat_ci", "status_counts",
+__all__ = ["PERCENTILES", "DEFAULT_SUMMARY", "min_n", "shown", "order_stat_ci", "status_counts",
            "summarize", "ci_text", "throughput", "error_rate", "SLO_METRICS", "goodput"]
 
 PERCENTILES = (50, 90, 95, 99)
@@ -70,6 +70,19 @@ def order_stat_ci(n: int, q: float, ci: float = 0.95) -> tuple[int, int] | None:
     if not len(lows) or not len(highs) or highs[0] + 1 > n:
         return None
     return int(lows[-1]) + 1, int(highs[0]) + 1
+
+
+def shown(value: float, percentile: str, too_small: str | float | None, ci: float = 0.95) -> float | str:
+    """A percentile as a table prints it: the value, or "n<N" where `too_small` (a
+    `summarize` row's `n_too_small`, e.g. "p95,p99") names it: a p99 of 20 requests is the
+    largest of them, not an estimate, and the table must not print it as one.
+
+    Args:
+        value: the percentile's value; percentile: its name ("p99").
+        too_small: the row's `n_too_small`; ci: the interval's confidence.
+    """
+    names = too_small.split(",") if isinstance(too_small, str) and too_small else []
+    return f"n<{min_n(int(percentile[1:]) / 100, ci)}" if percentile in names else value
 
 
 def min_n(q: float, ci: float = 0.95) -> int:

@@ -129,7 +129,7 @@ def compare(runs: Iterable[Run], metric_names: Iterable[str] = ("ttft_s", "tpot_
                                **{f"n_{s}": int(counts.get(s, 0)) for s in STATUSES}}
         s = summary.summarize(run.df, metric_names, seed=seed)
         for m in s.index:
-            for col in ("p50", "p90", "p99", "p99_lo", "p99_hi", "mean"):
+            for col in ("p50", "p90", "p99", "p99_lo", "p99_hi", "mean", "n_too_small"):
                 if col in s:
                     row[f"{m}_{col}"] = s.loc[m, col]
         rows.append(row)
