@@ -62,7 +62,7 @@ def test_gemma_is_assembled_checked_and_has_its_window():
 
 def _runs(fam, full, rows):
     cols = ["prev_tokens", "prompt_tokens", "shared_tokens", "diverged_before_end", "beyond_window", "evaluated"]
-    df = pd.DataFrame([dict(zip(cols, r)) for r in rows]).assign(family=fam, swa_full=full)
+    df = pd.DataFrame([dict(zip(cols, r)) for r in rows]).assign(family=fam, swa_full=full, window=512)
     df["full_attention_needs"] = (df["prompt_tokens"] - df["shared_tokens"]).clip(lower=1).where(df["prev_tokens"] > 0,
                                                                                                   df["prompt_tokens"])
     df["extra_evaluated"] = df["evaluated"] - df["full_attention_needs"]
@@ -77,6 +77,8 @@ def test_divergence_sentence_flips_with_what_the_server_evaluated():
     assert "every one of 2 requests evaluated only what followed" in a and "more than full attention" not in a
     assert "1 of 2 requests evaluated more than full attention needs (376 tokens more; 1 of them the whole prompt)" in b
     assert "1 of the 1 that diverged more than the window" in b and "every one" not in b
+    within = _runs("G", False, [cold, (1500, 389, 376, 13, False, 389)])     # shared 376 < 512: no resume
+    assert "shorter than the window itself" in swa.divergence_sentence(within)
 
 
 def test_chat_and_memory_sentences_are_computed():
@@ -86,11 +88,18 @@ def test_chat_and_memory_sentences_are_computed():
     s = swa.chat_sentence(chat)
     assert "G: 64 of 1,900 (4 more than full attention needs)" in s
     assert "G and `--ctx-checkpoints 0`: 1,900 of 1,900 (1,840 more than full attention needs, the whole prompt)" in s
-    kv = pd.DataFrame([{"ctx_size": 8192, "swa_full": f, "kind": k, "cells": c, "mib": m} for f, k, c, m in
-                       ((False, "global", 8192, 24.0), (False, "local (SWA)", 1024, 15.0),
-                        (True, "global", 8192, 24.0), (True, "local (SWA)", 8192, 120.0))])
+    runs = []
+    for full, local_cells, local_mib in ((False, 1024, 15.0), (True, 8192, 120.0)):
+        r = pd.DataFrame({"family": ["G"], "swa_full": [full]})
+        r.attrs["kv"] = [{"kind": "global", "cells": 8192, "layers": 3, "mib": 24.0},
+                         {"kind": "local (SWA)", "cells": local_cells, "layers": 15, "mib": local_mib}]
+        runs.append(r)
+    kv = swa.kv_table(runs)
     m = swa.memory_sentence(kv)
     assert "39 MiB as is" in m and "144 MiB with `--swa-full` (3.7×" in m
+    # at 32,768 tokens: global 24 x 4 = 96 both ways; local 15 as is, 480 with --swa-full
+    assert "at 32,768 tokens the same arithmetic gives 111 against 576 MiB (5.2×)" in m
+    assert "not shown" in swa.memory_sentence(kv[~kv["swa_full"]])
 
 
 @pytest.mark.slow
@@ -116,3 +125,20 @@ def test_a_prompt_that_diverges_beyond_the_window_is_prefilled_again_on_gemma_on
     kinds = {c["kind"]: c["cells"] for c in gemma.attrs["kv"]}
     assert kinds["global"] == 2048 and kinds["local (SWA)"] < 2048
     assert {c["kind"]: c["cells"] for c in full.attrs["kv"]}["local (SWA)"] == 2048
+
+
+@pytest.mark.slow
+@needs_gemma
+def test_a_checkpoint_near_the_end_of_the_turn_rescues_a_dropped_answer_and_nothing_in_the_middle():
+    """An agent turn on Gemma 3: dropping the answer the model just wrote (600 tokens back,
+    beyond the window) is served from the checkpoint llama-server made near the end of the
+    turn's prompt; with --ctx-checkpoints 0 the whole prompt is evaluated again."""
+    path = gemma3.gemma3_gguf()
+    fam = "Gemma 3 270M (sliding window)"
+    on = swa.chat_runs(path, family=fam, answer_tokens=560, n_turns=2, threads=2).set_index("case")
+    off = swa.chat_runs(path, family=fam, checkpoints=False, answer_tokens=560, n_turns=2, threads=2).set_index("case")
+    dropped = swa.CHAT_CASES[1]
+    assert on.loc[dropped, "beyond_window"] and on.loc[dropped, "diverged_before_end"] == 560
+    assert on.loc[dropped, "extra_evaluated"] < 20                          # back to the checkpoint, 4 tokens back
+    assert off.loc[dropped, "evaluated"] == off.loc[dropped, "prompt_tokens"]  # no checkpoint: all of it
+    assert (on.loc[swa.CHAT_CASES[0], "extra_evaluated"] <= 1) and (off.loc[swa.CHAT_CASES[0], "extra_evaluated"] <= 1)

@@ -24,7 +24,7 @@ prefills from the start, unless it saved a **context checkpoint** before that po
 ending, each followed by the whole prompt again, and records for each request how far before
 the end of the cached prompt it diverged and how many tokens the server evaluated
 (`timings.prompt_n`); `chat_runs` does the agent's version with chat messages and a long
-generated answer; `kv_memory` reads both caches' sizes from the server's log.
+generated answer; `kv_table` reads both caches' sizes from the servers' logs.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from infercourse.models.gguf_header import read_header
 from infercourse.servers.llama import LlamaServer
 from infercourse.servers.llama_log import VERBOSE_ARGS, kv_caches
 
-__all__ = ["FAMILIES", "families", "sliding_window", "prefix_runs", "chat_runs", "kv_memory", "NEW_ENDING", "CHAT_CASES",
+__all__ = ["FAMILIES", "families", "sliding_window", "prefix_runs", "chat_runs", "kv_table", "NEW_ENDING", "CHAT_CASES",
            "divergence_sentence", "chat_sentence", "memory_sentence"]
 
 FAMILIES: dict[str, Callable[[], Path]] = {"SmolLM2-135M (full attention)": embedded_gguf,
@@ -79,11 +79,13 @@ def _tokens(url: str, text: str) -> list[int]:
     return r.json()["tokens"]
 
 
-def _row(trace, *, prev: list[int], now: list[int], window: int | None, **tags: Any) -> dict[str, Any]:
-    t = trace.engine_timings or {}
+def _row(timings: dict[str, Any], *, prev: list[int], now: list[int], window: int | None,
+         ttft_s: float | None = None, **tags: Any) -> dict[str, Any]:
+    """One request: what it shared with the slot's cached tokens (`prev`), where it diverged
+    against the window, and what the server evaluated (its own `timings`)."""
     shared = common_prefix_len(prev, now)
-    evaluated = t.get("prompt_n")
-    n = (t.get("prompt_n") or 0) + (t.get("cache_n") or 0) or len(now)
+    evaluated = timings.get("prompt_n")
+    n = (timings.get("prompt_n") or 0) + (timings.get("cache_n") or 0) or len(now)
     # what a full-attention cache must evaluate: everything after the shared prefix (at least one token)
     must = max(1, n - shared) if prev else n
     return {**tags, "prompt_tokens": n, "prev_tokens": len(prev), "shared_tokens": shared,
@@ -91,8 +93,7 @@ def _row(trace, *, prev: list[int], now: list[int], window: int | None, **tags: 
             "beyond_window": (len(prev) - shared > window) if prev and window else False,
             "evaluated": evaluated, "full_attention_needs": must,
             "extra_evaluated": (evaluated - must) if evaluated is not None else None,
-            "prompt_ms": t.get("prompt_ms"), "ttft_s": trace.chunk_t[0] - trace.sent_t if trace.chunk_t else None,
-            "status": trace.status, "error": trace.error}
+            "prompt_ms": timings.get("prompt_ms"), "ttft_s": ttft_s, "window": window}
 
 
 def prefix_runs(model: str | Path, *, family: str, swa_full: bool = False, prompt_tokens: int = 1500,
@@ -126,8 +127,9 @@ def prefix_runs(model: str | Path, *, family: str, swa_full: bool = False, promp
             tr = record(engine, Request(prompt=prompt, max_tokens=1, cache_prompt=True), request_id=i)
             if writer is not None:
                 writer.write(tr)
-            rows.append(_row(tr, prev=prev, now=now, window=window, family=family, swa_full=swa_full, step=i,
-                             case=case))
+            ttft = tr.chunk_t[0] - tr.sent_t if tr.chunk_t else None
+            rows.append(_row(tr.engine_timings or {}, prev=prev, now=now, window=window, ttft_s=ttft, family=family,
+                             swa_full=swa_full, step=i, case=case, status=tr.status))
             prev = now
         kv = kv_caches(srv.log_path.read_text(errors="replace"))
     out = pd.DataFrame(rows)
@@ -148,73 +150,93 @@ def _history(n_turns: int, words_per_turn: int, text: str) -> list[dict[str, str
 CHAT_CASES = ("the answer appended verbatim", "the answer's reasoning dropped", "a tool result edited in the middle")
 
 
+def _apply(url: str, messages: list[dict[str, str]]) -> str:
+    """The prompt text the server's chat template makes of `messages` (generation prompt on)."""
+    r = httpx.post(url + "/apply-template", json={"messages": messages}, timeout=60)
+    r.raise_for_status()
+    return r.json()["prompt"]
+
+
+def _complete(url: str, ids: list[int], n: int) -> dict[str, Any]:
+    body = {"prompt": ids, "n_predict": n, "ignore_eos": n > 1, "return_tokens": True,
+            "cache_prompt": True, "temperature": 0}
+    r = httpx.post(url + "/completion", json=body, timeout=1800)
+    r.raise_for_status()
+    return r.json()
+
+
 def chat_runs(model: str | Path, *, family: str, swa_full: bool = False, checkpoints: bool = True,
-              answer_tokens: int = 700, n_turns: int = 6, words_per_turn: int = 120, text: str | None = None,
-              threads: int | None = None, ctx_per_slot: int = 4096, writer: RunWriter | None = None) -> pd.DataFrame:
-    """An agent's turn and three ways its next request can differ (module docstring): the
-    model writes a long answer (`answer_tokens`, forced, greedy); then the next request (1)
-    appends that answer verbatim and a new user message, (2) keeps only the answer's last 40
-    words (reasoning dropped from history), (3) edits a tool result in the middle of the
-    history. Each case has its own slot (`id_slot`), so the three turns decode together in
-    one batch and each next request meets exactly the turn it follows.
+              answer_tokens: int = 640, n_turns: int = 4, words_per_turn: int = 100, text: str | None = None,
+              threads: int | None = None, ctx_size: int = 4096) -> pd.DataFrame:
+    """An agent's turn and three ways its next request can differ (module docstring). For each
+    case, on one slot: the turn's prompt (its last checkpoints are made near its end), then the
+    turn's answer (`answer_tokens` of prose, longer than the window) after it, as a generated
+    answer sits in the slot, then the next request: (1) the answer's tokens appended verbatim
+    and a new user message, (2) only the answer's last 40 words kept (reasoning dropped from
+    history), (3) a tool result edited in the middle of the history. The answer is prefilled,
+    not generated: the slot then holds the same tokens a generation leaves, at a fraction of
+    the time (decoding 600 tokens costs minutes on 2 cores). Requests go to `/completion` as
+    token ids, so what the slot holds and what the next request shares with it are counted
+    exactly; the numbers are the server's own (`timings`).
 
     Args:
         model, family, swa_full: as `prefix_runs`.
         checkpoints: False starts the server with `--ctx-checkpoints 0`.
-        answer_tokens: the forced length of the generated answer (longer than the window,
-            so that the divergence point at its start lies beyond it).
+        answer_tokens: the answer's length (longer than the window, so that the divergence
+            point at its start lies beyond it).
         n_turns, words_per_turn, text: the size of the stand-in history.
-        threads, writer: as `prefix_runs`; ctx_per_slot: KV cells per slot.
+        threads, ctx_size: as `prefix_runs`.
     """
-    from concurrent.futures import ThreadPoolExecutor
     text = text or (Path(__file__).parents[2] / "data" / "eval_prose.txt").read_text() * 4
     window, rows = sliding_window(model), []
     base = _history(n_turns, words_per_turn, text) + [{"role": "user", "content": "Summarise everything above."}]
     middle = [dict(m) for m in base]
     middle[3] = {**middle[3], "content": middle[3]["content"].replace("Tool result 1:", "Tool result 1 (truncated):")}
+    go_on = [{"role": "user", "content": "Go on."}]
     extra = [] if checkpoints else ["--ctx-checkpoints", "0"]
-    with _server(model, swa_full=swa_full, threads=threads, ctx_size=ctx_per_slot * len(CHAT_CASES),
-                 extra=extra, n_parallel=len(CHAT_CASES)) as srv:
-        engines = [srv.engine(api="chat", extra_body={"id_slot": k}) for k in range(len(CHAT_CASES))]
-        turn = Request(messages=base, max_tokens=answer_tokens, ignore_eos=True, cache_prompt=True)
-        with ThreadPoolExecutor(len(engines)) as pool:       # the three turns, batched
-            firsts = list(pool.map(lambda k: record(engines[k], turn, request_id=2 * k), range(len(engines))))
-        prev_base = _chat_tokens(srv.url, base)
-        for k, (case, first) in enumerate(zip(CHAT_CASES, firsts)):
-            answer = first.text
-            if case == CHAT_CASES[2]:
-                nxt = middle + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Go on."}]
+    with _server(model, swa_full=swa_full, threads=threads, ctx_size=ctx_size, extra=extra) as srv:
+        url = srv.url
+        strip = lambda ids, ref: ids[1:] if ids[:1] == ref[:1] else ids      # noqa: E731 - the BOS /tokenize adds
+        base_ids = _tokens(url, _apply(url, base))
+        answer = strip(_tokens(url, text[-6 * answer_tokens:]), base_ids)[-answer_tokens:]
+        answer_text = httpx.post(url + "/detokenize", json={"tokens": answer}, timeout=60).json()["content"]
+        # the template's text between an assistant message's content and the next prompt's end
+        marked = _apply(url, base + [{"role": "assistant", "content": "\x00"}] + go_on)
+        tail = strip(_tokens(url, marked.split("\x00", 1)[1]), base_ids)
+        for case in CHAT_CASES:
+            _complete(url, base_ids, 1)                      # the turn's prompt: checkpoints near its end
+            _complete(url, base_ids + answer, 1)             # its answer, as the slot holds it after generating
+            if case == CHAT_CASES[0]:
+                nxt = base_ids + answer + tail
+            elif case == CHAT_CASES[1]:
+                nxt = base_ids + strip(_tokens(url, " ".join(answer_text.split()[-40:])), base_ids) + tail
             else:
-                kept = answer if case == CHAT_CASES[0] else " ".join(answer.split()[-40:])
-                nxt = base + [{"role": "assistant", "content": kept}, {"role": "user", "content": "Go on."}]
-            second = record(engines[k], Request(messages=nxt, max_tokens=1, cache_prompt=True), request_id=2 * k + 1)
-            for tr in (first, second):
-                if writer is not None:
-                    writer.write(tr)
-            prev = prev_base + _tokens(srv.url, answer)[1:]
-            rows.append(_row(second, prev=prev, now=_chat_tokens(srv.url, nxt), window=window, family=family,
-                             swa_full=swa_full, checkpoints=checkpoints, case=case,
-                             answer_tokens=first.completion_tokens))
-    return pd.DataFrame(rows).assign(window=window)
+                nxt = _tokens(url, _apply(url, middle + [{"role": "assistant", "content": answer_text}] + go_on))
+            rows.append(_row(_complete(url, nxt, 1)["timings"], prev=base_ids + answer, now=nxt, window=window,
+                             family=family, swa_full=swa_full, checkpoints=checkpoints, case=case,
+                             answer_tokens=len(answer)))
+    return pd.DataFrame(rows)
 
 
-def _chat_tokens(url: str, messages: list[dict[str, str]]) -> list[int]:
-    """The tokens the server's chat template makes of `messages` (with the generation prompt)."""
-    r = httpx.post(url + "/apply-template", json={"messages": messages}, timeout=60)
-    r.raise_for_status()
-    return _tokens(url, r.json()["prompt"])
+def kv_table(runs: Sequence[pd.DataFrame], project_to: int = 32768) -> pd.DataFrame:
+    """Each KV cache the `prefix_runs` servers made (from their logs), and the same caches
+    projected to a `project_to`-token context: arithmetic from the measured MiB per cell, a
+    global (or full-attention) cache growing with the context, a local one staying at its
+    window unless `--swa-full` made it context-sized too.
 
-
-def kv_memory(model: str | Path, *, ctx_sizes: Sequence[int] = (8192, 32768), threads: int | None = None
-              ) -> pd.DataFrame:
-    """Each KV cache llama-server makes for `model` at each context size, with and without
-    `--swa-full`, from its log (nothing is sent)."""
+    Args:
+        runs: `prefix_runs` frames (their `attrs["kv"]`).
+        project_to: the context to project to (the reader's: 32k for an agent).
+    """
     rows = []
-    for ctx in ctx_sizes:
-        for full in (False, True):
-            with _server(model, swa_full=full, threads=threads, ctx_size=ctx) as srv:
-                caches = kv_caches(srv.log_path.read_text(errors="replace"))
-            rows += [{"ctx_size": ctx, "swa_full": full, **c} for c in caches]
+    for r in runs:
+        fam, full = r["family"].iloc[0], bool(r["swa_full"].iloc[0])
+        ctx = max(c["cells"] for c in r.attrs["kv"])           # the global (or only) cache holds the context
+        for c in r.attrs["kv"]:
+            grows = c["kind"] != "local (SWA)" or full
+            rows.append({"family": fam, "swa_full": full, "kind": c["kind"], "layers": c["layers"],
+                         "cells": c["cells"], "mib": c["mib"], "ctx_size": ctx,
+                         f"mib_at_{project_to}": c["mib"] * (project_to / ctx if grows else 1.0)})
     return pd.DataFrame(rows)
 
 
@@ -248,9 +270,12 @@ def divergence_sentence(runs: pd.DataFrame) -> str:
                          f"before the end of the cached prompt ({', '.join(f'{int(d):,}' for d in beyond['diverged_before_end'])} "
                          "tokens before)")
         if len(inside):
-            parts.append(f"and {len(inside)} within it, where the shared prefix ({', '.join(f'{int(s):,}' for s in inside['shared_tokens'])} "
-                         "tokens) was shorter than the window itself: llama-server keeps a local layer's state only "
-                         "where the oldest position it holds lies a window before the shared point")
+            parts.append(f"and {len(inside)} within it, where the shared prefix "
+                         f"({', '.join(f'{int(s):,}' for s in inside['shared_tokens'])} tokens) was "
+                         + ("shorter than the window itself: this build then resumes the local layers only from a "
+                            "checkpoint that ends before the shared point, and none did"
+                            if (inside["shared_tokens"] < inside["window"]).all() else
+                            "longer than the window: read the server's log for why it did not resume"))
         lines.append(f"- **{_cfg(fam, full)}**: " + "; ".join(parts) + ".")
     return "\n".join(lines)
 
@@ -271,15 +296,18 @@ def chat_sentence(chat: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def memory_sentence(kv: pd.DataFrame) -> str:
-    """The KV cache with and without `--swa-full` at each context size, from `kv_memory`."""
-    out = []
-    for ctx, g in kv.groupby("ctx_size"):
-        tot = g.groupby("swa_full")["mib"].sum()
-        local = g[g["kind"] == "local (SWA)"].set_index("swa_full")["cells"]
-        if len(tot) < 2 or local.empty:
-            continue
-        out.append(f"at a {int(ctx):,}-token context the KV cache is {tot[False]:.0f} MiB as is (local layers keep "
-                   f"{int(local[False]):,} cells) and {tot[True]:.0f} MiB with `--swa-full` ({tot[True] / tot[False]:.1f}×, "
-                   f"local layers keep all {int(local[True]):,})")
-    return ("`--swa-full` costs memory: " + "; ".join(out) + ".") if out else "No sliding-window cache was measured."
+def memory_sentence(kv: pd.DataFrame, project_to: int = 32768) -> str:
+    """The sliding-window family's KV cache as measured with and without `--swa-full`, and the
+    same at `project_to` tokens (arithmetic from `kv_table`)."""
+    g = kv[kv["kind"] != "full"]
+    if g.empty or g["swa_full"].nunique() < 2:
+        return "No sliding-window cache was measured both ways, so `--swa-full`'s memory cost is not shown here."
+    tot = g.groupby("swa_full")[["mib", f"mib_at_{project_to}"]].sum()
+    local = g[g["kind"] == "local (SWA)"].set_index("swa_full")["cells"]
+    ctx = int(g["ctx_size"].iloc[0])
+    return (f"`--swa-full` costs memory: at this run's {ctx:,}-token context the KV cache was {tot.loc[False, 'mib']:.0f} "
+            f"MiB as is (the local layers kept {int(local[False]):,} cells) and {tot.loc[True, 'mib']:.0f} MiB with "
+            f"`--swa-full` ({tot.loc[True, 'mib'] / tot.loc[False, 'mib']:.1f}×, the local layers kept all "
+            f"{int(local[True]):,}); at {project_to:,} tokens the same arithmetic gives "
+            f"{tot.loc[False, f'mib_at_{project_to}']:.0f} against {tot.loc[True, f'mib_at_{project_to}']:.0f} MiB "
+            f"({tot.loc[True, f'mib_at_{project_to}'] / tot.loc[False, f'mib_at_{project_to}']:.1f}×).")
