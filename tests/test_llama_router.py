@@ -269,3 +269,27 @@ def test_killed_instance_keeps_the_router_and_the_other_model():
     assert f"exit code {s['router_exit_code']}" in killed_text(s).splitlines()[0]   # what the router said
     assert "main" in s["router_said"] and s["next_found"] == "unloaded"
     assert s["after_ok"] == 2 and s["status_now"] == "loaded"
+
+
+@pytest.mark.slow
+def test_each_family_preset_carries_its_own_chat_template_and_gemma_without_one_gets_chatml():
+    import httpx
+
+    from infercourse.lessons.families import family_presets
+    from infercourse.measure.workloads import DATA_DIR
+    from infercourse.models import gemma3
+    ok, why = gemma3.available()
+    if not ok:
+        pytest.skip(f"Gemma 3 not here: {why}")
+    presets = family_presets()
+    sections = {s.splitlines()[0]: s for s in lr.preset_ini(presets).split("\n\n")[2:]}
+    assert f"chat-template-file = {DATA_DIR / 'gemma3_tools.jinja'}" in sections["[gemma3]"]
+    assert not any("chat-template-file" in sections[s] for s in ("[smollm2]", "[gemma3-chatml]"))
+    with lr.LlamaRouter(presets, models_max=len(presets), **KW) as r:
+        for p in presets:
+            r.load(p.name)
+        props = {p.name: httpx.get(r.url + "/props", params={"model": p.name}, timeout=30).json() for p in presets}
+    assert "<start_of_turn>" in props["gemma3"]["chat_template"]
+    assert "<|im_start|>" in props["gemma3-chatml"]["chat_template"]      # llama-server's fallback: ChatML
+    caps = {n: p["chat_template_caps"]["supports_tools"] for n, p in props.items()}
+    assert caps == {"smollm2": False, "smollm2-tools": True, "gemma3": True, "gemma3-chatml": False}

@@ -16,7 +16,9 @@ or alias, loading each on demand. What it costs depends on how many fit at once:
   and `service_by_model`: each model's call time with both resident (capacity per model).
 
 A killed model instance, and what other routers do with model names, are
-`lessons.model_failover`. One timed request by name is `measure.model_mix.ask`.
+`lessons.model_failover`; a second model family behind the router, and what each family's chat
+template makes of a tool call, `lessons.families` and `lessons.templates`. One timed request
+by name is `measure.model_mix.ask`.
 
 The `*_text` functions turn a run's numbers into the notebook's sentences, so what a
 sentence says (faster, within noise) comes from the numbers, judged against their A/A
