@@ -33,6 +33,7 @@ AUDITED = {
     "lessons/fair.py:server_vs_in_process": "Comparison.said in fair_claims",
     "lessons/fair.py:peer_beside_ours": "results.compare, not noise.compare: no verdict",
     "lessons/latency.py:clock_verdicts": "verdict column (the verdict string, tested below)",
+    "lessons/long_prefill_claims.py:compare_configs": "claims.verdict_sentence in the per-setting sentences",
     "lessons/memory.py:_judged": "verdict column (the verdict string)",
     "lessons/model_routing.py:judge": "_verdict_lines (tested below)",
     "lessons/moe_claims.py:batch1_comparisons": "claims.verdict_sentence in speed_sentence, which ranks only .decided",
