@@ -164,15 +164,24 @@ class StandInEngine:
         self.args, self.kwargs = args, kwargs
 
 
-def test_route_d_is_mlx_lm_wherever_mlx_imports_else_named_as_what_runs(monkeypatch):
+def test_route_d_is_mlx_lm_where_mlx_runs_on_metal_else_named_as_what_runs(monkeypatch):
+    """"auto" takes MLX-LM where it runs on an Apple GPU; its CPU build (~75 s a call on 2 cores)
+    only when asked ("mlx"), so 21 keeps a workshop's pace on a CPU and names what ran."""
     from infercourse.engines import llamacpp, mlx_engine
     from infercourse.lessons import capstone
     from infercourse.models import formats
+    from infercourse.ops import guide_routes
     monkeypatch.setattr(mlx_engine, "MLXEngine", StandInEngine)
     monkeypatch.setattr(formats, "mlx_folder", lambda: "/stand-in/mlx")
     monkeypatch.setattr(llamacpp, "LlamaCppEngine", StandInEngine)
-    d = capstone._route_d("auto", {"usable": True, "why": "mlx 0.32 on cpu"}, threads=1, ctx_size=512)
+    monkeypatch.setattr(guide_routes, "_on_metal", lambda: True)
+    d = capstone._route_d("auto", {"usable": True, "why": "mlx 0.32 on metal"}, threads=1, ctx_size=512)
     assert d.name.startswith("MLX-LM in process") and d.engine.args == ("/stand-in/mlx",)
+    monkeypatch.setattr(guide_routes, "_on_metal", lambda: False)
+    d = capstone._route_d("auto", {"usable": True, "why": "mlx 0.32 on cpu"}, threads=1, ctx_size=512)
+    assert d.name.startswith("llama.cpp in process") and "CPU build only" in d.name
+    d = capstone._route_d("mlx", {"usable": True, "why": "mlx 0.32 on cpu"}, threads=1, ctx_size=512)
+    assert d.name.startswith("MLX-LM in process")
     d = capstone._route_d("auto", {"usable": False, "why": "mlx-lm not installed"}, threads=1, ctx_size=512)
     assert d.name.startswith("llama.cpp in process") and "mlx-lm not installed" in d.name
     assert d.engine.kwargs == {"n_ctx": 512, "n_threads": 1}

@@ -109,16 +109,30 @@ def routes(stack: contextlib.ExitStack, *, threads: int = 1, ctx_size: int = 409
     return out
 
 
+def _on_metal() -> bool:
+    """Whether MLX runs on an Apple GPU here (its CPU build on Linux decodes the embedded model at
+    ~75 s a call on 2 cores: a route that turns a workshop notebook into a quarter of an hour)."""
+    try:
+        import mlx.core as mx
+        return bool(mx.metal.is_available())
+    except Exception:  # noqa: BLE001 - no MLX, or a build without the metal module: not on Metal
+        return False
+
+
 def _route_d(choice: str, mlx: dict[str, Any], *, threads: int, ctx_size: int) -> Route:
-    """Route D, named after what runs: MLX-LM in process (the guide's D) where MLX imports."""
+    """Route D, named after what runs: MLX-LM in process (the guide's D) where MLX runs on Metal
+    ("auto"), or wherever it imports ("mlx"); else llama.cpp in process, saying why."""
     if choice == "mlx" and not mlx["usable"]:
         return Route("D", "MLX-LM in process", skipped=mlx["why"])
-    if choice == "mlx" or (choice == "auto" and mlx["usable"]):
+    if choice == "mlx" or (choice == "auto" and mlx["usable"] and _on_metal()):
         from infercourse.engines.mlx_engine import MLXEngine
         from infercourse.models.formats import mlx_folder
         return Route("D", "MLX-LM in process (embedded weights as MLX)", MLXEngine(mlx_folder()))
     from infercourse.engines.llamacpp import LlamaCppEngine
-    why = "" if choice == "llama.cpp" else f"; not MLX-LM, the guide's D: {mlx['why']}"
+    why = "" if choice == "llama.cpp" else (
+        f"; not MLX-LM, the guide's D: {mlx['why']}" if not mlx["usable"] else
+        "; not MLX-LM, the guide's D: MLX runs here on its CPU build only, ~75 s a call on 2 cores "
+        "(ROUTE_D = \"mlx\" runs it anyway)")
     return Route("D", f"llama.cpp in process (llama-cpp-python{why})",
                  LlamaCppEngine(n_ctx=ctx_size, n_threads=threads))
 
