@@ -22,7 +22,7 @@ from infercourse.core.errors import AgentLayerError
 from infercourse.lessons import real_agent as ra
 from infercourse.lessons import real_agent_claims as rc
 from infercourse.lessons import real_agent_session as rs
-from infercourse.ops import agent_doctor, agents, netns
+from infercourse.ops import agent_doctor, agents, chat_agent, chat_doctor, netns
 from infercourse.ops.agent_anatomy import first_difference, parts
 from infercourse.ops.agent_capture import SSEWatcher, api_of
 from infercourse.ops.agent_lab import LabSpec, Task, calls_table, run_lab, tasks_table
@@ -132,8 +132,23 @@ def test_host_network_means_no_unshare_where_a_namespace_could_be_made(monkeypat
     monkeypatch.setattr(sys, "platform", "linux")
     assert netns.wrap(["agent"]) == ["unshare", "-n", "agent"] and netns.isolates(False)
     assert netns.wrap(["agent"], host_network=True) == ["agent"] and not netns.isolates(True)
+
+
+def test_macos_runs_an_agent_only_when_the_learner_opts_in(monkeypatch):
+    """No network namespace on macOS: a sealed run cannot be made, so the lab refuses unless the
+    learner asks for the host network (--no-netns), and the manifest then says what that means."""
+    from infercourse.ops.agent_lab_child import _host_words
     monkeypatch.setattr(sys, "platform", "darwin")
-    assert netns.wrap(["agent"]) == ["agent"] and not netns.isolates(False)
+    netns.why_not.cache_clear()
+    try:
+        with pytest.raises(AgentLayerError, match="macOS has no network namespaces") as e:
+            netns.wrap(["agent"])
+        assert "--no-netns" in e.value.hint and "unprivileged" not in e.value.hint
+        assert netns.wrap(["agent"], host_network=True) == ["agent"] and not netns.isolates(False)
+        words = _host_words(LabSpec("unused", [Task("t", "stand-in", "hi")], host_network=True))
+        assert words.startswith("host (no namespace: --no-netns; macOS has none") and "reach the internet" in words
+    finally:
+        netns.why_not.cache_clear()
 
 
 def test_the_manifest_names_the_host_network_and_why(tmp_path):
@@ -212,7 +227,9 @@ def _fake_install(root, *, native=True, placeholder=True):
         (nm / pkg).mkdir(parents=True, exist_ok=True)
         (nm / pkg / "package.json").write_text(json.dumps({"version": agents.PINS[agent]}))
     (nm / ".bin").mkdir(exist_ok=True)
-    (nm / ".bin" / "codex").write_text("#!/usr/bin/env node\n")
+    for agent, (pkg, exe) in agents._PKG.items():
+        if agent != "claude-code":     # node_modules/.bin launchers: Codex's and the spec-run agents'
+            (nm / ".bin" / exe).write_text("#!/usr/bin/env node\n")
     if placeholder:
         (nm / ".bin" / "claude").write_text("placeholder: the postinstall never ran")
     if native:
@@ -615,10 +632,27 @@ def test_codex_speaks_responses_in_the_namespace(tmp_path):
     assert len(gen) >= 1 and gen["status"].iloc[0] == "ok" and gen["prompt_tokens"].iloc[0] > 0
 
 
+@pytest.mark.slow
+@_real("qwen-code")
+def test_qwen_code_speaks_chat_completions_in_the_namespace(tmp_path):
+    """The pinned chat agent, run from its spec alone, at the CI size (its own flags: a short
+    system prompt file, one tool), bounded in time."""
+    out = run_lab(LabSpec(str(tmp_path / "qw"), [chat_agent.task("hello", "Say hello.", "qwen-code", "ci",
+                                                                 timeout_s=300)], ctx=4096))
+    calls = calls_table(out)
+    gen = calls[calls["api"] == "openai-chat"]
+    assert len(gen) >= 1 and gen["status"].iloc[0] == "ok" and gen["prompt_tokens"].iloc[0] > 0
+    assert gen["first_diff"].iloc[0] == "first call" and gen["evaluated_tokens"].iloc[0] > 0
+    body = json.loads((out / "bodies" / f"{int(gen['request_id'].iloc[0]):03d}.json").read_text())
+    assert [t["function"]["name"] for t in body["tools"]] == ["read_file"] and body["stream"] is True
+    assert tasks_table(out)["exit"].iloc[0] == 0
+    assert json.loads((out / "manifest.json").read_text())["agents"] == {"qwen-code": agents.PINS["qwen-code"]}
+
+
 # -- what the repository may hold: numbers derived from captures, never their text --------------
 def test_committed_shapes_hold_numbers_and_field_names_only():
     shapes = json.loads(agent_doctor.SHAPES.read_text())
-    allowed_strings = {"version", "api", "tokenizer"}
+    allowed_strings = {"version", "api", "tokenizer", "first_diff", "kind"}   # names and part labels, no text
 
     def walk(node, key=""):
         if isinstance(node, dict):
@@ -628,7 +662,11 @@ def test_committed_shapes_hold_numbers_and_field_names_only():
             assert key == "fields" and all(isinstance(x, str) and x.isidentifier() for x in node)
         elif isinstance(node, str):
             assert key in allowed_strings and len(node) < 60, (key, node[:80])
-    for agent in agents.AGENTS:
+    chat = json.loads(chat_doctor.CHAT_SHAPES.read_text())
+    for agent in agents.AGENTS:   # every pinned agent has a shape: its own API's, or a chat agent's
+        if agent in chat:
+            walk(chat[agent])
+            continue
         walk(shapes[agent])
         assert agent_doctor.agent_shape(agent)["prompt_tokens"] > 1000
 

@@ -43,6 +43,7 @@ AUDITED = {
     "lessons/speculative.py:_judge": "verdict column; spec_claims.outcome() (tested below)",
     "lessons/symptoms.py:context_growth": "Comparison.said",
     "lessons/symptoms.py:cpu_contention": "Comparison.said",
+    "ops/recorder_cost.py:compare": "claims.verdict_sentence in recorder_sentence; its goal line says 'too few pairs'",
     "measure/quant_speed.py:request_trials": "decode_verdict column; quant_explain.speed_class (tested below)",
     "measure/tuning_log.py:decide": "its own 'why' (tested below)",
 }

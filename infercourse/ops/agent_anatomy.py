@@ -17,6 +17,14 @@ history (compaction, or a client that edits old turns).
 | OpenAI `/v1/responses` | `instructions`, `developer`/`system` input items | `tools` | the other `input` items |
 | OpenAI `/v1/chat/completions` | `messages` with role system | `tools` | the other `messages` |
 
+An agent may send calls with *different* system prompts in one task (a title generator
+before the main call, a memory extractor after it, a next-speaker check): each of those
+differs from the call before at its very first part, and on a one-slot server it evicts the
+main prompt's prefix. So each call is compared twice (`write_anatomy`): with the previous
+call of its API (what the server's cache meets) and with the previous call that had the
+*same* system prompt (`system_key`: is the agent's own prefix stable, call to call and task
+to task?).
+
 Token counts come from a `count(text) -> int` the caller gives: the served model's own
 tokenizer (llama-server's `/tokenize`, `tokenizer_of(url)`), so they are the server's tokens,
 not an estimate. The position of a difference is counted over the parts as serialized here:
@@ -26,13 +34,16 @@ cached-token count the server reports, and the capture table shows both side by 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
 
-__all__ = ["parts", "dissect", "first_difference", "tokenizer_of", "embedded_counter", "compare_parts"]
+__all__ = ["parts", "dissect", "first_difference", "tokenizer_of", "embedded_counter", "compare_parts", "system_key",
+           "write_anatomy"]
 
 Part = tuple[str, str, str]   # (kind, label, text)
 
@@ -148,3 +159,45 @@ def embedded_counter() -> Callable[[str], int]:
     def count(text: str) -> int:
         return len(tok(text)) - 1 if text else 0   # less the BOS the tokenizer adds
     return count
+
+
+def system_key(ps: list[Part]) -> str:
+    """A short name for a call's system prompt (its system parts, hashed), "none" without one:
+    calls with the same key can share a prefix; a call with another key is a side call."""
+    text = "\x00".join(t for k, _, t in ps if k == "system")
+    return hashlib.sha256(text.encode()).hexdigest()[:8] if text else "none"
+
+
+def write_anatomy(out: str | Path, count: Callable[[str], int]) -> Path:
+    """Per call of a results folder (requests.jsonl + bodies/): its parts with their tokens,
+    its `system_key`, and the first part that differs from the previous call of the same API
+    (across tasks too: one server, one cache) and from the previous one with the same system
+    prompt. Numbers only, into anatomy.jsonl; returns its path.
+
+    Args:
+        out: a lab run's or a recorded session's folder.
+        count: a token counter (`tokenizer_of(url)`, or `embedded_counter()`).
+    """
+    from infercourse.ops.agent_stream import GENERATING_APIS, api_of
+    out = Path(out)
+    prev: dict[str, list] = {}
+    prev_same: dict[tuple[str, str], list] = {}
+    with open(out / "anatomy.jsonl", "w") as f:
+        for line in (out / "requests.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            tags = row.get("tags", {})
+            api, body_path = api_of(tags.get("path", "")), out / "bodies" / f"{row['request_id']:03d}.json"
+            if api not in GENERATING_APIS or not body_path.exists():
+                continue
+            try:
+                ps = parts(json.loads(body_path.read_text()), api)
+            except (ValueError, AttributeError, TypeError):   # not a JSON object of that API
+                continue
+            key = system_key(ps)
+            diff, same = first_difference(prev.get(api), ps, count), first_difference(prev_same.get((api, key)), ps, count)
+            prev[api], prev_same[(api, key)] = ps, ps
+            f.write(json.dumps({"request_id": row["request_id"], "task": tags.get("task"), "api": api, "system_key": key,
+                                "parts": [{"kind": k, "part": label, "bytes": len(t.encode()), "tokens": count(t)}
+                                          for k, label, t in ps],
+                                "first_difference": diff, "first_difference_same_system": same}) + "\n")
+    return out / "anatomy.jsonl"

@@ -1,4 +1,4 @@
-"""`infercourse doctor agent URL --agent claude-code|codex`: is this server ready for a real agent?
+"""`infercourse doctor agent URL --agent claude-code|codex|chat`: is this server ready for a real agent?
 
 A real agent's first call is not a chat message: Claude Code 2.1.328's is ~49 KB (three system
 blocks, 12 tool schemas, a `role: "system"` message, `max_tokens: 32000`), about 10,000 tokens
@@ -20,6 +20,7 @@ Probing talks to the server (`probe_agent_route`); grading is pure (`grade_agent
 `fixes` turns the grades into the settings to paste, with values computed from the probe;
 `server_fix` names the server's own change where the window is too small for the agent (the
 slot window it needs, with the YaRN flags where that passes the model's trained context).
+Agents over chat completions (`--agent chat --spec NAME|FILE`) are checked by `ops.chat_doctor`.
 """
 from __future__ import annotations
 
@@ -295,20 +296,42 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
     return claude_settings(env)
 
 
+def _doctor_chat(a: Any) -> int:
+    """`--agent chat`: the checks of `ops.chat_doctor`, for the agent `--spec` names."""
+    from infercourse.ops import chat_agent, chat_doctor
+    spec = chat_agent.load_spec(a.spec)
+    shape = {**chat_doctor.chat_shape(spec["name"], a.capture), "timeout_s": spec.get("timeout_s"),
+             "timeout_note": spec.get("timeout_note")}
+    try:
+        ev = chat_doctor.probe_chat_route(a.url)
+    except httpx.HTTPError as e:
+        print(f"error: server at {a.url} not reachable: {e} (API layer)")
+        return 1
+    checks = chat_doctor.grade_chat_route(ev, shape, timeout_s=a.timeout)
+    print(f"{spec['name']} (chat completions) against {a.url} (first request: {shape['first_request']['prompt_tokens']} "
+          f"tokens, from {shape['source']})")
+    print(chat_doctor.chat_report(ev, shape, checks, spec, timeout_s=a.timeout))
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
 def doctor_agent_main(argv: list[str] | None = None) -> int:
-    """`infercourse doctor agent URL --agent claude-code|codex [--capture DIR]`."""
+    """`infercourse doctor agent URL --agent claude-code|codex|chat [--spec NAME|FILE] [--capture DIR]`."""
     import argparse
     from infercourse.core.loopback import refuse_remote
     p = argparse.ArgumentParser(prog="infercourse doctor agent", description=__doc__.splitlines()[0])
     p.add_argument("url")
-    p.add_argument("--agent", choices=("claude-code", "codex"), default="claude-code")
-    p.add_argument("--capture", type=Path, help="a lab run's folder: use its measured first request")
+    p.add_argument("--agent", choices=("claude-code", "codex", "chat"), default="claude-code",
+                   help="chat: any agent over chat completions (ops.chat_doctor), described by --spec")
+    p.add_argument("--spec", default="qwen-code", help="--agent chat: a shipped spec's name or your spec's JSON file")
+    p.add_argument("--capture", type=Path, help="a lab run's (or recorded session's) folder: use its measured calls")
     p.add_argument("--timeout", type=float, help="the agent's stream timeout in seconds (default: its own)")
     p.add_argument("--allow-remote", action="store_true", help="permit a server that is not on loopback")
     a = p.parse_args(argv)
     why = refuse_remote(a.url, what="doctor agent", allow_remote=a.allow_remote)
     if why:
         p.error(why)
+    if a.agent == "chat":
+        return _doctor_chat(a)
     shape = agent_shape(a.agent, a.capture)
     try:
         ev = probe_agent_route(a.url, a.agent)

@@ -64,7 +64,8 @@ class Task:
 
     Args:
         label: its name in the tables ("A cold", "B header off").
-        agent: "claude-code", "codex", or "stand-in" (the course's stand-in client, for tests).
+        agent: "claude-code", "codex", "stand-in" (the course's stand-in client, for tests),
+            or, with `spec`, the spec's name.
         prompt: the task given to the agent.
         env: extra environment (e.g. {"CLAUDE_CODE_ATTRIBUTION_HEADER": "0"}).
         system_prompt, tools: Claude Code's own flags to shrink its request (None: defaults).
@@ -77,6 +78,8 @@ class Task:
             `resume` finds the conversation there.
         resume: continue the session's last conversation (Claude Code's `--continue`): the
             history grows task after task, as a long session does.
+        spec: any other agent, as configuration (`ops.chat_agent`: its command line, the
+            environment it reads, its config files); the lab runs it like the named ones.
     """
 
     label: str
@@ -90,18 +93,19 @@ class Task:
     timeout_s: float = 600.0
     session: str | None = None
     resume: bool = False
+    spec: dict[str, Any] | None = None
 
 
 @dataclass
 class LabSpec:
     """A lab run: one server, its tasks, and where the results go.
 
-    `n_predict` is llama-server's `-n`: the output cap of a request that names none, and the
-    ceiling of one that names more (the server cuts its `max_tokens` to it and logs "exceeds
-    server configuration"). Codex sends none, so without a cap an answer the agent has
-    abandoned (its stream timeout fired) runs on to the end of the window, holding the only
-    slot while the agent's retries queue behind it. None: no server cap, each call's own
-    `max_tokens` stands (Claude Code's 32,000 by default)."""
+    `n_predict` is llama-server's `-n`: the output cap of a request that names none. It does
+    not cap a request that names `max_tokens` (measured on the course's build: `-n 16` and
+    `max_tokens: 100` gave 100 tokens), so only the agent's own setting bounds those (Claude
+    Code's 32,000 by default). Codex and Qwen Code send none, so without a cap an answer the
+    agent has abandoned (its stream timeout fired) runs on to the end of the window, holding
+    the only slot while the agent's retries queue behind it. None: no server cap."""
 
     out: str
     tasks: list[Task]
@@ -111,6 +115,8 @@ class LabSpec:
     served_name: str = "smollm2-135m"
     server_args: list[str] = field(default_factory=list)
     n_predict: int | None = 64
+    slots: int = 1                 # llama-server -np (2: a side call gets its own slot)
+    cache_ram_mib: int | None = None   # --cache-ram (None: the server's default; 0: no host prompt cache)
     anatomy: bool = True
     host_network: bool = False     # no namespace at all (`netns.wrap`): the CLI's --no-netns
 
@@ -132,9 +138,13 @@ def run_lab(spec: LabSpec) -> Path:
     Refuses, before anything starts, a missing agent and a task environment that would move
     the agent off the recording proxy (`agents.check_env`). Raises AgentLayerError when the
     child failed, after everything it wrote is on disk."""
+    from infercourse.ops import chat_agent
     from infercourse.ops.agents import check_env, missing_reason
     for t in spec.tasks:
-        why = missing_reason(t.agent) if t.agent != "stand-in" else None
+        if t.spec is not None:
+            chat_agent.check_spec(t.spec)
+        why = chat_agent.missing(t.spec) if t.spec is not None else \
+            missing_reason(t.agent) if t.agent != "stand-in" else None
         if why:
             raise AgentLayerError(why)
         check_env(t.env, what=f"task {t.label!r}")
@@ -171,23 +181,33 @@ def refused_size(error: Any) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
+def _diff_label(d: dict[str, Any] | None) -> str | None:
+    return None if d is None else (d["part"] or d["kind"])
+
+
 def calls_table(out: str | Path) -> "pd.DataFrame":
     """One row per captured call: task, path, API, model, status, error, TTFT and E2E (the
     proxy's clock), prompt / cached / evaluated tokens (the server's usage; its /metrics
-    counter), and the first part that differs from the previous call of the same API."""
+    counter or its own per-call timings), prefill time (the server's), and the first part that
+    differs from the previous call of the same API (`first_diff`, what the cache meets) and
+    from the previous call with the same system prompt (`first_diff_same_system`; `system`
+    names the prompt: a call with another is a side call)."""
     import pandas as pd
     from infercourse.measure.results import load_run
     run = load_run(out)
     df = run.df.copy()
     keep = ["request_id", "task", "agent", "method", "path", "api", "model", "http_status", "status", "error",
-            "ttft_s", "e2e_s", "prompt_tokens", "cached_tokens", "evaluated_tokens", "output_tokens",
+            "ttft_s", "e2e_s", "prompt_tokens", "cached_tokens", "evaluated_tokens", "prefill_ms", "output_tokens",
             "stop_reason", "max_tokens", "body_bytes", "overlapped"]
     df = df[[c for c in keep if c in df.columns]]
     anat = anatomy(out)
     if len(anat):
-        diff = pd.DataFrame([{"request_id": a["request_id"], "first_diff": a["first_difference"]["part"]
-                              or a["first_difference"]["kind"],
-                              "tokens_before_diff": a["first_difference"]["tokens_before"]} for a in anat])
+        diff = pd.DataFrame([{"request_id": a["request_id"], "system": a.get("system_key"),
+                              "first_diff": _diff_label(a["first_difference"]),
+                              "tokens_before_diff": a["first_difference"]["tokens_before"],
+                              "first_diff_same_system": _diff_label(a.get("first_difference_same_system")),
+                              "tokens_before_same_system": (a.get("first_difference_same_system") or {}).get(
+                                  "tokens_before")} for a in anat])
         df = df.merge(diff, on="request_id", how="left")
     return df.sort_values("request_id").reset_index(drop=True)
 

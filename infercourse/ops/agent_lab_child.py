@@ -41,6 +41,10 @@ def _launch(task: Task, i: int, out: Path, proxy_url: str, served: str) -> tuple
     home = out / "homes" / (task.session or "user")
     work = home / "work"
     work.mkdir(parents=True, exist_ok=True)
+    if task.spec is not None:   # any other agent: its spec says how it is run (ops.chat_agent)
+        from infercourse.ops.chat_agent import launch
+        argv, env = launch(task.spec, task.prompt, home, work, proxy_url, served, task.env)
+        return argv, env, work
     if task.agent == "claude-code":
         env = agents.sealed_env(home, {"ANTHROPIC_MODEL": served, **task.env}, route={"ANTHROPIC_BASE_URL": proxy_url})
         return agents.claude_argv(task.prompt, system_prompt=task.system_prompt, tools=task.tools,
@@ -89,14 +93,15 @@ def _run_agent(argv: list[str], env: dict, work: Path, timeout_s: float, log: Pa
 def _agent_json(stdout: str) -> dict[str, Any]:
     """The numbers an agent's own output reports (Claude Code's JSON result; Codex's last
     `turn.completed` event), never its text beyond a short preview."""
-    docs = []
+    docs: list = []
     for line in stdout.splitlines():
         line = line.strip()
-        if line.startswith("{"):
+        if line.startswith(("{", "[")):   # one event per line, or one array of them (Qwen Code's -o json)
             try:
-                docs.append(json.loads(line))
+                doc = json.loads(line)
             except ValueError:
                 continue
+            docs += [d for d in (doc if isinstance(doc, list) else [doc]) if isinstance(d, dict)]
     out: dict[str, Any] = {}
     for d in docs:
         if d.get("type") == "result" or "modelUsage" in d:
@@ -132,55 +137,37 @@ def _server(spec: LabSpec):
     from infercourse.servers import LlamaServer
     extra = ["--chat-template-file", str(DATA_DIR / "chatml_tools.jinja"), "--alias", spec.served_name,
              *(["-n", str(spec.n_predict)] if spec.n_predict else []), *spec.server_args]
-    return LlamaServer(spec.model, n_parallel=1, ctx_size=spec.ctx, threads=spec.threads, jinja=True,
-                       extra_args=extra)
+    # -c is the whole KV pool: with more slots each gets ctx / slots, so the window per slot stays `ctx`
+    return LlamaServer(spec.model, n_parallel=spec.slots, ctx_size=spec.ctx * spec.slots, threads=spec.threads,
+                       jinja=True, cache_ram_mib=spec.cache_ram_mib, extra_args=extra)
 
 
 def _manifest(spec: LabSpec, srv, isolated: bool) -> dict[str, Any]:
     from infercourse.models.embedded import file_sha256
     from infercourse.ops import agents
-    names = sorted({t.agent for t in spec.tasks})
+    from infercourse.ops import chat_agent
+    names = sorted({t.agent for t in spec.tasks if t.spec is None})
+    specs = {t.agent: chat_agent.version(t.spec) for t in spec.tasks if t.spec is not None}
     return {"label": Path(spec.out).name, "engine": srv.describe(),
             "model": {"path": str(srv.model_path), "sha256": file_sha256(srv.model_path),
                       "served_name": spec.served_name, "ctx": spec.ctx, "server_args": spec.server_args},
             "sampling": "set by the agent: each call's body (bodies/) holds its temperature and max_tokens",
             "load": {"pattern": "one agent task at a time, sequential", "concurrency": "as the agent sends it",
-                     "server_slots": 1},
+                     "server_slots": spec.slots, "cache_ram_mib": spec.cache_ram_mib},
             "workload": {"tasks": [{k: v for k, v in asdict(t).items() if k != "prompt"} |
                                    {"prompt_chars": len(t.prompt)} for t in spec.tasks]},
-            "agents": {a: (agents.version(a) if a != "stand-in" else "infercourse.testing_agent") for a in names},
+            "agents": {**{a: (agents.version(a) if a != "stand-in" else "infercourse.testing_agent") for a in names},
+                       **specs},
             "network": {"namespace": "loopback-only" if isolated else _host_words(spec),
                         "interfaces": netns.interfaces()}}
 
 
 def _host_words(spec: LabSpec) -> str:
-    """Why a run had no namespace: the user's --no-netns, or a platform without them."""
-    return ("host (no namespace: --no-netns; the agent could reach the internet)" if spec.host_network
+    """Why a run had no namespace: the user's --no-netns (on a platform without namespaces,
+    the only way to run), or a platform without them."""
+    where = "; macOS has none" if sys.platform == "darwin" else ""
+    return (f"host (no namespace: --no-netns{where}; the agent could reach the internet)" if spec.host_network
             else f"host (no namespace: {sys.platform} has none)")
-
-
-def _anatomy(out: Path, url: str) -> None:
-    """Per call: tokens per part and the first part that differs from the previous call of
-    the same API (across tasks too: one server, one cache). Numbers only."""
-    from infercourse.ops.agent_anatomy import first_difference, parts, tokenizer_of
-    from infercourse.ops.agent_capture import GENERATING_APIS, api_of
-    count = tokenizer_of(url)
-    prev: dict[str, list] = {}
-    with open(out / "anatomy.jsonl", "w") as f:
-        for line in (out / "requests.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            tags = row.get("tags", {})
-            api, body_path = api_of(tags.get("path", "")), out / "bodies" / f"{row['request_id']:03d}.json"
-            if api not in GENERATING_APIS or not body_path.exists():
-                continue
-            body = json.loads(body_path.read_text())
-            ps = parts(body, api)
-            diff = first_difference(prev.get(api), ps, count)
-            prev[api] = ps
-            f.write(json.dumps({"request_id": row["request_id"], "task": tags.get("task"), "api": api,
-                                "parts": [{"kind": k, "part": label, "bytes": len(t.encode()), "tokens": count(t)}
-                                          for k, label, t in ps],
-                                "first_difference": diff}) + "\n")
 
 
 def child_main(spec_path: str) -> int:
@@ -204,6 +191,7 @@ def child_main(spec_path: str) -> int:
             (out / "agents").mkdir(exist_ok=True)
             rc, stdout, stderr = _run_agent(argv, env, work, task.timeout_s, out / "agents" / f"{i:02d}")
             wall = time.perf_counter() - t0
+            proxy.settle()    # the agent's last call recorded before its task's row is written
             after = evaluated_count(srv.url)
             calls = proxy.traces[n0:]
             row = {"task": task.label, "agent": task.agent, "exit": rc, "wall_s": wall, "calls": len(calls),
@@ -218,7 +206,8 @@ def child_main(spec_path: str) -> int:
                 print(f"  /metrics not read: {err}", flush=True)
             proxy.metrics_errors.clear()
         if spec.anatomy:
-            _anatomy(out, srv.url)
+            from infercourse.ops.agent_anatomy import tokenizer_of, write_anatomy
+            write_anatomy(out, tokenizer_of(srv.url))
     return 0
 
 

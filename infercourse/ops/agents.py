@@ -1,17 +1,20 @@
-"""The real coding agents: Claude Code and Codex CLI, installed, configured and launched.
+"""The real coding agents: Claude Code, Codex CLI and the ones run from a spec, installed,
+configured and launched.
 
-Both are npm packages that ship a native binary: `@anthropic-ai/claude-code` (speaks the
-Anthropic Messages API, `POST /v1/messages`) and `@openai/codex` (the OpenAI Responses API,
-`POST /v1/responses`). The course pins one version of each in `tools/agents/package.json`
-with its lock file, and `python -m infercourse.ops.agents install` installs exactly those
-into `cache_dir()/agents`, never into the repo, with **install scripts off** (`npm ci
---ignore-scripts`): npm fetches on the host's network, outside any namespace, so no vendor
-code runs there. The lock's only install script is Claude Code's postinstall, which copies the
+Claude Code and Codex are npm packages that ship a native binary: `@anthropic-ai/claude-code`
+(speaks the Anthropic Messages API, `POST /v1/messages`) and `@openai/codex` (the OpenAI
+Responses API, `POST /v1/responses`). Agents that speak OpenAI chat completions are run from a
+spec (`ops.chat_agent`, `tools/agents/specs/`); the pinned one is Qwen Code
+(`@qwen-code/qwen-code`, plain JavaScript run by Node). The course pins one version of each
+in `tools/agents/package.json` with its lock file, and `python -m infercourse.ops.agents
+install` installs exactly those into `cache_dir()/agents`, never into the repo, with
+**install scripts off** (`npm ci --ignore-scripts`): npm fetches on the host's network,
+outside any namespace, so no vendor code runs there. The lock's only install script is Claude Code's postinstall, which copies the
 native binary of the platform's package (an optional dependency npm picks by os, cpu and libc)
 over a placeholder; the lab runs that binary from its platform package instead (`binary`).
-Codex's launcher (`bin/codex.js`, run by Node) needs no script. Where `npm` is absent it says
-how to install them (the Node.js version the lock's `engines` fields ask for, `node_needed`)
-and every cell that needs them skips with that reason.
+Codex's launcher (`bin/codex.js`, run by Node) and Qwen Code's `cli.js` need no script.
+Where `npm` is absent it says how to install them (the Node.js version the lock's `engines`
+fields ask for, `node_needed`) and every cell that needs them skips with that reason.
 
 Every launch is sealed the same way, whatever the caller passes:
 
@@ -38,15 +41,33 @@ from typing import Any
 from infercourse.core.errors import AgentLayerError
 from infercourse.models.embedded import cache_dir
 
-__all__ = ["AGENTS", "PINS", "agents_dir", "binary", "node_needed", "version", "missing_reason", "install",
+__all__ = ["AGENTS", "PINS", "pinned_packages", "agents_dir", "binary", "node_needed", "version", "missing_reason",
+           "install",
            "LAB_ENV", "check_env", "sealed_env", "claude_argv", "codex_argv", "codex_config", "claude_settings", "DUMMY_KEY",
            "CLAUDE_WINDOW_ENV", "CLAUDE_ASSUMED_WINDOW", "CLAUDE_AUTO_COMPACT_WINDOW_FLOOR", "claude_window_limits"]
 
-AGENTS = ("claude-code", "codex")
-_PKG = {"claude-code": ("@anthropic-ai/claude-code", "claude"), "codex": ("@openai/codex", "codex")}
 SPEC_DIR = Path(__file__).resolve().parents[2] / "tools" / "agents"
-PINS = {a: json.loads((SPEC_DIR / "package.json").read_text())["dependencies"][pkg]
-        for a, (pkg, _) in _PKG.items()} if (SPEC_DIR / "package.json").is_file() else {}
+
+
+def pinned_packages() -> dict[str, str]:
+    """Every npm package tools/agents/package.json pins, with its version."""
+    f = SPEC_DIR / "package.json"
+    return json.loads(f.read_text())["dependencies"] if f.is_file() else {}
+
+
+def _spec_packages() -> dict[str, tuple[str, str]]:
+    """The agents described by a spec (`ops.chat_agent`) whose program is a pinned package."""
+    out = {}
+    for f in sorted((SPEC_DIR / "specs").glob("*.json")):
+        d = json.loads(f.read_text())
+        if d.get("package") in pinned_packages():
+            out[d["name"]] = (d["package"], d.get("bin", d["name"]))
+    return out
+
+
+_PKG = {"claude-code": ("@anthropic-ai/claude-code", "claude"), "codex": ("@openai/codex", "codex"), **_spec_packages()}
+AGENTS = tuple(_PKG)   # every pinned agent: the two with their own launchers, then those run from a spec
+PINS = {a: pinned_packages()[pkg] for a, (pkg, _) in _PKG.items() if pkg in pinned_packages()}
 DUMMY_KEY = "sk-local-dummy-not-a-real-key"
 # Claude Code's documented switches for a machine with no vendor cloud (code.claude.com/docs/en/env-vars)
 QUIET_ENV = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
@@ -84,7 +105,8 @@ def agents_dir() -> Path:
 
 def binary(agent: str) -> Path | None:
     """The installed agent's executable, or None: Claude Code's native binary in its platform
-    package (what its skipped postinstall would have copied into place), Codex's launcher."""
+    package (what its skipped postinstall would have copied into place), else the package's
+    launcher in node_modules/.bin (Codex, and the agents run from a spec)."""
     pkg, exe = _PKG[agent]
     if agent == "claude-code":
         scope = agents_dir() / "node_modules" / pkg.split("/")[0]

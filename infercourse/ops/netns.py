@@ -14,9 +14,12 @@ hand. A packet to anywhere else has no route; nothing can leave the machine.
 namespace (`unshare -rn`, where the kernel allows unprivileged user namespaces). Where no
 namespace can be made, `wrap` refuses (`AgentLayerError`). `host_network=True` (the CLI's
 `--no-netns`, which tests and `make course` never pass) asks for no namespace at all: no
-`unshare`, the host's network, and the run's manifest says so. On macOS there are no network
-namespaces: the agent runs as a normal process against a loopback URL, and the course says so.
-`isolates(host_network)` says which of the two a run gets, before it starts.
+`unshare`, the host's network, and the run's manifest says so. macOS has no network
+namespaces, so there a sealed run cannot be made: `wrap` refuses unless the learner opts in
+with `host_network` (`--no-netns`), and then the agent runs as a normal process on the host's
+network (it talks to the loopback server it is given, but nothing stops it reaching the
+internet), which the run's manifest and output say. `isolates(host_network)` says which of
+the two a run gets, before it starts.
 
 Written by hand (stdlib `fcntl`/`socket`, ~20 lines): bringing `lo` up is one ioctl, so the
 lab does not depend on iproute2 being installed, and `socket.if_nameindex()` is the check
@@ -89,19 +92,21 @@ def wrap(argv: list[str], *, host_network: bool = False) -> list[str]:
             itself before it starts a server or an agent (the agent lab does), when
             `isolates(host_network)`.
         host_network: no namespace: `argv` as it is, on the host's network (the CLI's
-            `--no-netns`; macOS always runs so). A namespace without `lo` brought up would
-            reach nothing, not even its own server, so there is no half-way.
+            `--no-netns`; on macOS the only way to run at all, so it must be asked for). A
+            namespace without `lo` brought up would reach nothing, not even its own server,
+            so there is no half-way.
     """
-    if not isolates(host_network):
+    if host_network:
         return list(argv)
     reason = why_not()
-    if reason is None:
+    if reason is None and isolates(host_network):
         return [*_unshare_argv(), *argv]
+    risk = ("--no-netns runs it on the host network, at your own risk: it can then reach the internet, "
+            "and the run's manifest says so")
     raise AgentLayerError(
         f"cannot make a loopback-only network namespace here: {reason}; a real agent runs only "
-        "inside one", hint="run as root or enable unprivileged user namespaces "
-        "(sysctl kernel.unprivileged_userns_clone=1); --no-netns runs it on the host network, "
-        "at your own risk: it can then reach the internet")
+        "inside one unless you opt out", hint=risk if sys.platform == "darwin" else
+        "run as root or enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1); " + risk)
 
 
 def bring_up_loopback() -> None:

@@ -1,0 +1,201 @@
+"""A recorder in front of the learner's own server (`ops.agent_session`, `infercourse agent
+proxy|report`) and what the recorder itself costs (`ops.recorder_cost`).
+
+The sessions here are driven by the course's own client against `testing.SSESource` (an exact
+clock, no model) and a real llama-server: no agent runs outside a namespace.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import pandas as pd
+import pytest
+
+from infercourse.core.errors import ServerLayerError
+from infercourse.ops import agent_session, recorder_cost
+from infercourse.ops.agent_capture import RecordingProxy
+from infercourse.ops.agent_stream import SSEWatcher
+from infercourse.servers import free_port
+from infercourse.testing import SSESource
+
+
+def _says(text: str, phrase: str) -> bool:
+    return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text) is not None
+
+
+# -- the proxy's reach -----------------------------------------------------------------------------
+def test_the_recorder_fronts_loopback_unless_told_otherwise():
+    with pytest.raises(ServerLayerError, match="loopback servers only"):
+        RecordingProxy("http://10.1.2.3:8080")
+    RecordingProxy("http://10.1.2.3:8080", allow_remote=True)   # built, never started: no traffic
+
+
+def test_agent_proxy_cli_refuses_a_remote_upstream_before_any_traffic(capsys, tmp_path):
+    from infercourse.cli.agent import agent_main
+    with pytest.raises(SystemExit) as e:
+        agent_main(["proxy", "--upstream", "http://10.1.2.3:8080", "--out", str(tmp_path / "s")])
+    assert e.value.code == 2 and "loopback" in capsys.readouterr().err and not (tmp_path / "s").exists()
+
+
+def test_watcher_keeps_the_servers_own_timings():
+    chunks = ('data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
+              'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":50,'
+              '"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":40}},'
+              '"timings":{"prompt_n":10,"cache_n":40,"prompt_ms":12.5}}\n\ndata: [DONE]\n\n')
+    w = SSEWatcher("openai-chat")
+    w.feed(chunks.encode(), 1.0)
+    w.close(2.0)
+    assert w.timings == {"prompt_n": 10, "cache_n": 40, "prompt_ms": 12.5}
+    assert w.tokens() == {"prompt_tokens": 50, "cached_tokens": 40, "output_tokens": 1}
+
+
+# -- a session's totals ------------------------------------------------------------------------------
+def _calls(side: bool, timed: bool = True) -> pd.DataFrame:
+    systems = ["main", "side", "main"] if side else ["main", "main", "main"]
+    return pd.DataFrame({"api": "openai-chat", "status": "ok", "system": systems, "body_bytes": [9000, 900, 9100],
+                         "prompt_tokens": [1000, 100, 1010], "cached_tokens": [0, 0, 990 if not side else 0],
+                         "evaluated_tokens": [1000, 100, 20 if not side else 1010],
+                         "prefill_ms": [2000.0, 200.0, 40.0] if timed else [float("nan")] * 3,
+                         "ttft_s": [2.1, 0.3, 0.1], "e2e_s": [3.0, 0.5, 1.0], "task": ["a", "a", "b"]})
+
+
+def test_totals_sentence_flips_with_the_session(monkeypatch):
+    monkeypatch.setattr("infercourse.ops.agent_lab.calls_table", lambda out: _calls(side=True))
+    t = agent_session.session_totals("unused")
+    assert t["side_calls"] == 1 and t["evaluated_after_side"] == 1010 and t["prefill_s"] == pytest.approx(2.24)
+    s = agent_session.totals_sentence(t)
+    assert _says(s, "1 side call(s) had another system prompt") and _says(s, "1,010 of their 1,010 prompt tokens")
+    monkeypatch.setattr("infercourse.ops.agent_lab.calls_table", lambda out: _calls(side=False, timed=False))
+    t = agent_session.session_totals("unused")
+    s = agent_session.totals_sentence(t)
+    assert t["side_calls"] == 0 and _says(s, "no side call") and "(summed TTFT, an upper bound)" in s
+    assert _says(s, "990 from the cache (47%)") and t["prefill_s"] == pytest.approx(2.5)
+
+
+# -- the recorder's own cost: the sentence flips with the numbers -----------------------------------
+def _cost(added_s: float, aa_s: float, n: int = 8, same: bool = True) -> recorder_cost.RecorderCost:
+    base = [0.020 + 0.0001 * ((i * 7) % 5) for i in range(n)]
+    jig = [aa_s * (1 if i % 2 else -1) for i in range(n)]
+    ttft = {"direct": base, "direct again": [b + j for b, j in zip(base, jig)],
+            "recorder": [b + added_s + j / 2 for b, j in zip(base, jig)]}
+    chunks = {a: [[16, 16]] * n for a in recorder_cost.ARMS}
+    if not same:
+        chunks["recorder"] = [[16, 15]] + [[16, 16]] * (n - 1)
+    return recorder_cost.RecorderCost(ttft_s=ttft, itl_s={a: [0.005] * n for a in recorder_cost.ARMS},
+                                      chunks=chunks, texts={a: [["x", "x"]] * n for a in recorder_cost.ARMS})
+
+
+@pytest.mark.parametrize("added, aa, words", [(0.0004, 0.00002, "met: the recorder adds 0.40 ms"),
+                                              (0.004, 0.00002, "missed: the recorder adds 4.00 ms"),
+                                              (0.0, 0.00002, "met: no difference beyond the noise"),
+                                              (0.0, 0.003, "cannot be judged here")])
+def test_recorder_sentence_flips_with_the_numbers(added, aa, words):
+    s = recorder_cost.recorder_sentence(recorder_cost.compare(_cost(added, aa)))
+    assert words in s, s
+    assert _says(s, "none held back or merged")
+
+
+def test_recorder_sentence_says_when_chunks_differ_and_when_pairs_are_too_few():
+    s = recorder_cost.recorder_sentence(recorder_cost.compare(_cost(0.0004, 0.00002, same=False)))
+    assert _says(s, "1 of 8 trials got other chunks or text") and "none held back" not in s
+    few = recorder_cost.recorder_sentence(recorder_cost.compare(_cost(0.004, 0.00002, n=2)))
+    assert "cannot be judged: too few pairs" in few and "missed" not in few
+
+
+# -- a recorded session, end to end (no agent: the course's client sends) ---------------------------
+def _stream(url: str, system: str, task: str) -> int:
+    body = {"model": "m", "stream": True, "max_tokens": 5, "messages": [{"role": "system", "content": system},
+                                                                      {"role": "user", "content": task}]}
+    n = 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            n += line.startswith("data:")
+    return n
+
+
+def test_a_session_is_recorded_and_reported(tmp_path, capsys):
+    out = tmp_path / "session"
+    with SSESource(ttft_s=0.01, gap_s=0.002) as src, agent_session.SessionRecorder(src.url, out) as rec:
+        direct = _stream(src.url, "main rules", "task one")
+        assert [_stream(rec.url, s, t) for s, t in (("main rules", "task one"), ("a title", "task one"),
+                                                    ("main rules", "task two"))] == [direct] * 3
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["recorder"]["upstream_loopback"] and man["recorder"]["read_metrics"] is False
+    assert man["network"]["namespace"].startswith("host: the learner's own agent") and man["n_requests"] == 3
+    assert "/tokenize" in man["anatomy_tokenizer"] and len(list((out / "bodies").glob("*.json"))) == 3
+    anat = [json.loads(line) for line in (out / "anatomy.jsonl").read_text().splitlines()]
+    assert anat[2]["first_difference_same_system"]["part"] == "message 1 (user)"
+    from infercourse.cli.agent import agent_main
+    assert agent_main(["report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "3 calls (0 failed)" in printed and "1 side call(s)" in printed and "first_diff_same_system" in printed
+
+
+def test_agent_proxy_cli_records_until_its_duration(tmp_path, capsys):
+    from infercourse.cli.agent import agent_main
+    port, out, got = free_port(), tmp_path / "s", []
+    with SSESource() as src:
+        def client():
+            for _ in range(100):      # until the recorder listens
+                try:
+                    got.append(_stream(f"http://127.0.0.1:{port}", "main", "hi"))
+                    return
+                except httpx.ConnectError:
+                    time.sleep(0.05)
+        t = threading.Thread(target=client)
+        t.start()
+        assert agent_main(["proxy", "--upstream", src.url, "--port", str(port), "--out", str(out),
+                           "--duration", "3"]) == 0
+        t.join()
+    printed = capsys.readouterr().out
+    assert got and f"at http://127.0.0.1:{port}" in printed and "1 calls (0 failed)" in printed
+
+
+def test_recorder_cost_against_an_exact_clock():
+    """Structure and the chunk check, never a speed: the same chunks and text through both."""
+    with SSESource(ttft_s=0.005, gap_s=0.001) as src:
+        cost = recorder_cost.measure(src.url, repeats=3, requests=2, max_tokens=8)
+    c = recorder_cost.compare(cost)
+    assert c["trials"] == 3 and c["same_chunks"] == 3 and c["chunks_per_request"] == [8]
+    assert list(recorder_cost.cost_table(cost).index) == list(recorder_cost.ARMS)
+    assert all(len(v) == 3 for v in cost.ttft_s.values()) and "recorder" in recorder_cost.recorder_sentence(c)
+
+
+def test_a_connection_the_server_dropped_is_retried_once_and_never_doubled():
+    """The recorder keeps its connection upstream between calls (a new one costs the agent's
+    every call); a server that closes it while idle (llama-server does at 5 s) fails the next
+    call before reading it: that call is sent again on a new connection, once."""
+    import socket
+    import socketserver
+    seen = []
+
+    class OneShot(socketserver.StreamRequestHandler):
+        def handle(self):   # answer one request, keep-alive in the headers, then hang up anyway
+            line = self.rfile.readline()
+            while self.rfile.readline() not in (b"\r\n", b""):
+                pass
+            seen.append(line.split()[1].decode())
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), OneShot) as srv:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        with RecordingProxy(f"http://127.0.0.1:{srv.server_address[1]}", read_metrics=False) as px:
+            with httpx.Client() as c:
+                got = [c.get(px.url + f"/v1/models?n={i}").status_code for i in range(3)]
+        srv.shutdown()
+    assert got == [200, 200, 200] and seen == ["/v1/models?n=0", "/v1/models?n=1", "/v1/models?n=2"]
+    assert [t.status for t in px.traces] == ["ok"] * 3
+
+
+def test_a_session_folder_is_written_once(tmp_path):
+    with SSESource() as src:
+        with agent_session.SessionRecorder(src.url, tmp_path / "s"):
+            pass
+        with pytest.raises(FileExistsError):
+            agent_session.SessionRecorder(src.url, tmp_path / "s").start()
