@@ -30,3 +30,18 @@ def test_the_committed_reference_names_its_machine_and_load():
     assert ref["probe_s"] > 0 and ref["course_full_s"] > 0
     assert ref["machine"] and "load_1m_full" in ref
     assert set(ref["notebooks_full_s"]) >= {"00_setup", "16_capacity_routing"}
+
+
+def test_each_notebook_is_scaled_by_its_own_probe():
+    """A machine with a slow single thread and a fast prefill on all its cores (the Intel VM the
+    one-number forecast put at 132 min ran the course in 81): agent notebooks scale with the
+    prefill probe, the rest with the one-thread probe."""
+    ref = {"probe_s": 1.0, "prefill_probe_s": 10.0,
+           "notebooks_full_s": {"00_setup": 100.0, "20_real_coding_agent": 1000.0}}
+    p = pace.predict({"probe_s": 1.2, "prefill_probe_s": 5.0}, ref)
+    assert p["notebooks_full_s"] == {"00_setup": 120.0, "20_real_coding_agent": 500.0}
+    assert p["course_full_s"] == 620.0 and p["basis_full"]["20_real_coding_agent"] == "prefill"
+    t = pace.forecast_table(p, {"00_setup": 110.0, "20_real_coding_agent": 800.0})
+    assert bool(t.loc["00_setup", "within"]) and not bool(t.loc["20_real_coding_agent", "within"])
+    one = pace.predict(1.2, ref)        # an old reference without the prefill probe: one ratio for all
+    assert one["notebooks_full_s"]["20_real_coding_agent"] == 1200.0

@@ -1,18 +1,23 @@
-"""How long will the course take on this machine? A short probe, scaled by a reference.
+"""How long will the course take on this machine? Two short probes, scaled by a reference.
 
 The course map's run times were measured on one machine (`data/reference_machine.json`
-says which, how loaded it was, and what the probe gave there). Machines differ a lot:
-a fresh 2-core Intel VM ran the notebooks 4-8x slower than the map. So before a
-workshop, each learner runs a probe that takes a few seconds: the embedded model,
-llama.cpp in process, one thread, a fixed prompt and a forced answer length. The
-course's time on this machine is then predicted as
+says which, how loaded it was, and what the probes gave there). Machines differ a lot, and
+not in one way: a fresh 2-core Intel VM ran most notebooks faster than the reference while
+its single-thread probe was slower (the old one-number forecast said 132 min; the course
+took 81). So a learner's machine runs two probes of a few seconds each, on the embedded model
+in process:
 
-    reference course time x (probe time here / probe time on the reference)
+- `probe_s`: one thread, a ~100-token prompt and 32 forced tokens: what most notebooks do
+  (small single-thread prefills and decodes, servers started and stopped);
+- `prefill_probe_s`: llama.cpp's own thread count, one cold prefill of `PREFILL_TOKENS`: what
+  the notebooks dominated by a real agent's 10k-token prompts do (`PREFILL_BOUND`), whose
+  time scales with the machine's prefill speed on all its cores, not with one thread's.
 
-The course is mostly small single-thread decodes and prefills of the embedded model.
-So one such probe predicts it better than a FLOP or bandwidth number would. It does not
-see what a second core, a GPU or a faster disk change. The load average is printed
-beside the prediction: a busy machine is slower, and the probe was timed on it as it is now.
+Each notebook's forecast is its reference time times the ratio of its probe (here ÷
+reference), and the course's is their sum. What no probe sees: a GPU, a faster disk, how a
+real agent behaves (how often it compacts or retries depends on the agent, not the machine),
+and load: the load average is printed beside the forecast, and the probes were timed on the
+machine as it is now.
 """
 from __future__ import annotations
 
@@ -23,11 +28,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REFERENCE", "probe_s", "predict", "save_reference", "pace_main"]
+__all__ = ["REFERENCE", "PREFILL_BOUND", "probe_s", "prefill_probe_s", "probes", "predict", "forecast_table",
+           "save_reference", "pace_main"]
 
 REFERENCE = Path(__file__).resolve().parents[2] / "data" / "reference_machine.json"
 PROMPT = "Explain, step by step, how a compiler turns source code into a program. " * 6
 PROBE_TOKENS = 32
+PREFILL_TOKENS = 512
+# notebooks whose time is mostly long cold prefills on every core (real agents' first requests,
+# the long-context prefill curve): scaled by the prefill probe; the rest by the one-thread probe
+PREFILL_BOUND = ("03_prefill_vs_decode", "19_coding_agent", "20_real_coding_agent")
+
+
+def _timed(engine, request, repeats: int) -> float:
+    for _ in engine.stream(request):      # warm-up: page the weights in, build the graph
+        pass
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in engine.stream(request):
+            pass
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def probe_s(repeats: int = 3) -> float:
@@ -36,43 +58,83 @@ def probe_s(repeats: int = 3) -> float:
     from infercourse.core.types import Request
     from infercourse.engines.llamacpp import LlamaCppEngine
     eng = LlamaCppEngine(n_threads=1, n_ctx=512)
-    req = Request(prompt=PROMPT, max_tokens=PROBE_TOKENS, ignore_eos=True, cache_prompt=False)
-    for _ in eng.stream(req):      # warm-up: page the weights in, build the graph
-        pass
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in eng.stream(req):
-            pass
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _timed(eng, Request(prompt=PROMPT, max_tokens=PROBE_TOKENS, ignore_eos=True, cache_prompt=False), repeats)
 
 
-def predict(probe: float, reference: dict[str, Any]) -> dict[str, Any]:
-    """Course times on this machine from its probe and the reference's figures.
+def prefill_probe_s(repeats: int = 2) -> float:
+    """Median wall seconds of one cold prefill of `PREFILL_TOKENS` tokens (one output token)
+    on the embedded model, llama.cpp in process at its own thread count (the physical cores)."""
+    from infercourse.core.types import Request
+    from infercourse.engines.llamacpp import LlamaCppEngine
+    from infercourse.measure.workloads import exact_length_prompt
+    from infercourse.models.embedded import vocab_tokenizer
+    eng = LlamaCppEngine(n_threads=None, n_ctx=PREFILL_TOKENS + 64)
+    prompt = exact_length_prompt(PREFILL_TOKENS, vocab_tokenizer())
+    return _timed(eng, Request(prompt=prompt, max_tokens=1, cache_prompt=False), repeats)
+
+
+def probes() -> dict[str, float]:
+    """Both probes, as `predict` and `save_reference` take them."""
+    return {"probe_s": probe_s(), "prefill_probe_s": prefill_probe_s()}
+
+
+def _ratios(probe: dict[str, float], reference: dict[str, Any]) -> dict[str, float]:
+    r = {"probe": probe["probe_s"] / reference["probe_s"]}
+    if probe.get("prefill_probe_s") and reference.get("prefill_probe_s"):
+        r["prefill"] = probe["prefill_probe_s"] / reference["prefill_probe_s"]
+    return r
+
+
+def predict(probe: float | dict[str, float], reference: dict[str, Any]) -> dict[str, Any]:
+    """Course times on this machine from its probes and the reference's figures: per
+    notebook (its reference time × its probe's ratio) and in all.
 
     Args:
-        probe: this machine's `probe_s()`.
+        probe: this machine's `probes()` (a bare number: the one-thread probe only).
         reference: the contents of data/reference_machine.json.
     """
-    ratio = probe / reference["probe_s"]
-    out = {"ratio": ratio, "probe_s": probe}
+    probe = probe if isinstance(probe, dict) else {"probe_s": float(probe)}
+    r = _ratios(probe, reference)
+    out: dict[str, Any] = {"ratio": r["probe"], "prefill_ratio": r.get("prefill"), **probe}
     for size in ("full", "ci"):
-        if reference.get(f"course_{size}_s"):
-            out[f"course_{size}_s"] = reference[f"course_{size}_s"] * ratio
+        per = reference.get(f"notebooks_{size}_s") or {}
+        if per:
+            basis = {nb: "prefill" if nb in PREFILL_BOUND and "prefill" in r else "probe" for nb in per}
+            out[f"notebooks_{size}_s"] = {nb: t * r[basis[nb]] for nb, t in per.items()}
+            out[f"basis_{size}"] = basis
+            out[f"course_{size}_s"] = sum(out[f"notebooks_{size}_s"].values())
+        elif reference.get(f"course_{size}_s"):
+            out[f"course_{size}_s"] = reference[f"course_{size}_s"] * r["probe"]
     return out
 
 
-def save_reference(course_times: str | Path, probe: float, path: Path = REFERENCE) -> dict:
-    """Record this machine as the reference: its probe and a `course_times.json` that
+def forecast_table(prediction: dict[str, Any], measured: dict[str, float] | None = None, size: str = "full",
+                   tol: float = 0.15):
+    """Each notebook's forecast, its basis, and (given a run's `course_times.json` seconds)
+    the measured time and whether the forecast landed within `tol`."""
+    import pandas as pd
+    rows = []
+    for nb, f in (prediction.get(f"notebooks_{size}_s") or {}).items():
+        row = {"notebook": nb, "forecast_s": round(f, 1), "basis": prediction[f"basis_{size}"][nb]}
+        if measured and nb in measured:
+            m = float(measured[nb])
+            row.update(measured_s=round(m, 1), forecast_over_measured=round(f / m, 2),
+                       within=abs(f / m - 1) <= tol)
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("notebook")
+
+
+def save_reference(course_times: str | Path, probe: float | dict[str, float], path: Path = REFERENCE) -> dict:
+    """Record this machine as the reference: its probes and a `course_times.json` that
     `infercourse course` wrote (full or CI size), keeping the other size's figures."""
     from infercourse.measure.hardware import hardware_info
+    probe = probe if isinstance(probe, dict) else {"probe_s": float(probe)}
     times = json.loads(Path(course_times).read_text())
     ref = json.loads(path.read_text()) if path.is_file() else {}
     hw = hardware_info()
     ref.update({"machine": f"{hw.get('cpu')}, {hw.get('cores_logical')} cores, {hw.get('ram_gb')} GB, "
                            f"{hw.get('machine')}",
-                "probe_s": round(probe, 4), f"course_{times['size']}_s": times["total_s"],
+                **{k: round(v, 4) for k, v in probe.items()}, f"course_{times['size']}_s": times["total_s"],
                 f"notebooks_{times['size']}_s": times["seconds"],
                 f"load_1m_{times['size']}": times.get("load_1m")})
     path.write_text(json.dumps(ref, indent=1) + "\n")
@@ -86,28 +148,37 @@ def _minutes(s: float) -> str:
 def pace_main(argv: list[str] | None = None) -> int:
     import argparse
     ap = argparse.ArgumentParser(prog="infercourse doctor course",
-                                 description="Predict the course's run time here from a short probe.")
+                                 description="Predict the course's run time here from two short probes.")
     ap.add_argument("--save-reference", metavar="COURSE_TIMES_JSON",
                     help="make this machine the reference, from a course_times.json of `infercourse course`")
+    ap.add_argument("--check", metavar="COURSE_TIMES_JSON",
+                    help="a run's course_times.json on this machine: print each forecast beside what it measured")
     a = ap.parse_args(argv)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    probe = probe_s()
+    probe = probes()
     if a.save_reference:
         save_reference(a.save_reference, probe)
-        print(f"reference saved to {REFERENCE} (probe {probe:.3f} s, load {load:.1f})")
+        print(f"reference saved to {REFERENCE} (probes {probe['probe_s']:.3f} s and {probe['prefill_probe_s']:.3f} s, "
+              f"load {load:.1f})")
         return 0
     if not REFERENCE.is_file():
-        print(f"probe: {probe:.3f} s; no reference figures ({REFERENCE} missing)")
+        print(f"probes: {probe}; no reference figures ({REFERENCE} missing)")
         return 1
     ref = json.loads(REFERENCE.read_text())
     p = predict(probe, ref)
-    print(f"== course pace: probe {probe:.3f} s here vs {ref['probe_s']:.3f} s on the reference "
-          f"({ref['machine']}), so this machine is {p['ratio']:.2f}x its time "
-          f"(load average now {load:.1f} on {os.cpu_count()} CPUs)")
+    pre = (f"; prefill probe {probe['prefill_probe_s']:.2f} s vs {ref['prefill_probe_s']:.2f} s "
+           f"({p['prefill_ratio']:.2f}x)") if p.get("prefill_ratio") else ""
+    print(f"== course pace: probe {probe['probe_s']:.3f} s here vs {ref['probe_s']:.3f} s on the reference "
+          f"({ref['machine']}), {p['ratio']:.2f}x{pre} (load average now {load:.1f} on {os.cpu_count()} CPUs)")
     if "course_full_s" in p:
         print(f"  this machine runs the course in about {_minutes(p['course_full_s'])} "
               f"(`make course`; reference: {_minutes(ref['course_full_s'])})")
     if "course_ci_s" in p:
         print(f"  and its notebooks at CI size in about {_minutes(p['course_ci_s'])} "
               f"(inside `make test`; reference: {_minutes(ref['course_ci_s'])})")
+    if p.get("notebooks_full_s"):
+        measured = json.loads(Path(a.check).read_text())["seconds"] if a.check else None
+        print(forecast_table(p, measured).to_string())
+        print(f"  least sure: {', '.join(PREFILL_BOUND[1:])} (real agents: their own behaviour, how often they "
+              "compact or retry, does not scale with any probe) and any notebook on a busy machine")
     return 0
