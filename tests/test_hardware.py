@@ -174,3 +174,44 @@ def test_doctor_shows_fp16_support_and_the_build(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "convert: f16c; 16-bit arithmetic: avx512_fp16" in out
     assert "llama.cpp built" in out and "AVX2 F16C" in out and "AVX512" not in out.split("llama.cpp built")[1].splitlines()[0]
+
+
+# -- the last-level cache, which sizes the bandwidth probe (issue 32) --------------------------------
+def _sys_cache(root, entries):
+    for i, (level, size) in enumerate(entries):
+        d = root / f"index{i}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "size").write_text(f"{size}\n")
+    return root
+
+
+def test_llc_from_sys_names_the_file_it_read(monkeypatch, tmp_path):
+    """This course's VM: L1d 48K, L1i 64K, L2 2048K, L3 491520K (480 MiB)."""
+    root = _sys_cache(tmp_path / "cache", [(1, "48K"), (1, "64K"), (2, "2048K"), (3, "491520K")])
+    monkeypatch.setattr(hardware, "_SYS_CACHE", root)
+    llc = hardware.last_level_cache()
+    assert llc["bytes"] == 480 * 2**20 and llc["level"] == 3
+    assert "index3" in llc["source"] and "491520K" in llc["source"]
+    assert hardware.last_level_cache_bytes() == 480 * 2**20
+
+
+def test_llc_falls_back_to_lscpu_then_sysctl_then_says_none(monkeypatch, tmp_path):
+    monkeypatch.setattr(hardware, "_SYS_CACHE", tmp_path / "absent")
+    out = {"lscpu": "L1d cache: 96 KiB (2 instances)\nL2 cache: 4 MiB (2 instances)\nL3 cache: 32 MiB (1 instance)\n"}
+    monkeypatch.setattr(hardware, "_run", lambda cmd: out.get(cmd[0]) if cmd[0] == "lscpu" else out.get(cmd[-1]))
+    llc = hardware.last_level_cache()
+    assert llc == {"bytes": 32 * 2**20, "level": 3, "source": "lscpu (L3 cache, all instances)"}
+    # an Apple Silicon Mac: no lscpu, no L3, the performance cores' L2
+    out = {"hw.perflevel0.l2cachesize": "16777216"}
+    llc = hardware.last_level_cache()
+    assert llc["bytes"] == 16 * 2**20 and llc["level"] == 2 and llc["source"] == "sysctl hw.perflevel0.l2cachesize"
+    out = {}
+    assert hardware.last_level_cache()["bytes"] is None and "no cache size" in hardware.last_level_cache()["source"]
+
+
+def test_lscpu_cache_lines_parse():
+    text = "L1d cache:  96 KiB (2 instances)\nL1i cache: 128 KiB (2 instances)\nL2 cache:   4 MiB (2 instances)\n" \
+           "L3 cache:   480 MiB (1 instance)\n"
+    assert hardware.parse_lscpu_caches(text) == {1: 96 * 1024, 2: 4 * 2**20, 3: 480 * 2**20}
+    assert hardware.parse_lscpu_caches("") == {}

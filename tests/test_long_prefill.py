@@ -128,6 +128,7 @@ def test_agent_sentence_forecasts_and_checks_against_the_real_ttft():
                              measured_s={"Claude Code": 80.1})
     cc, codex = text.splitlines()
     assert _words(cc, "extrapolated") and "measured 80.1 s" in cc and "would say 36 s" in cc
+    assert cc.startswith("- Forecast, not a measurement: Claude Code's first request (10,650 tokens)")
     assert _words(codex, "interpolated") and not re.search(r"; measured \d", codex)
 
 
@@ -154,6 +155,10 @@ def test_configs_build_the_flags_and_compare_at_must_be_measured():
         ["-fa", "off", "-ub", "4096", "-b", "4096"]
     assert lp.context_flags(4096) == []
     assert 6000 < lp.model_crossover_tokens() < 6300          # SmolLM2-135M's FLOP crossover
+    # by FLOPs alone the rate at n falls as 1 / (1 + n / n*): at n* it is half the rate near 0
+    n_star = lp.model_crossover_tokens()
+    assert lp.flop_rate_ratio(1, n_star) == pytest.approx((1 + 1 / n_star) / 2)
+    assert lp.flop_rate_ratio(512, 16384) == pytest.approx((1 + 512 / n_star) / (1 + 16384 / n_star))
     ext = lp.context_flags(16640)
     assert "llama.context_length=int:16640" in ext and ext[ext.index("--yarn-orig-ctx") + 1] == "8192"
     with pytest.raises(ValueError, match="compare_at"):
@@ -174,3 +179,10 @@ def test_real_server_prefills_each_asked_length_cold(tmp_path):
     fit = lpc.fit_reference(df)
     assert fit.n_max == 256 and fit.time_s(256) > 0
     assert "Fit of prefill time" in lpc.explain(df)
+
+
+def test_prefill_at_refuses_a_length_past_the_runs_window():
+    df = _run()
+    df.attrs.update(ctx=1024, context_flags=[], threads=1)
+    with pytest.raises(ValueError, match="window"):
+        lp.prefill_at(2048, df)

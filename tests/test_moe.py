@@ -112,10 +112,24 @@ def test_speed_sentence_flips_with_the_verdict():
 def test_ceiling_sentence_flips_at_the_total_ceiling():
     sizes = _sizes(bw=10.0)
     tot = sizes.loc["moe", "ceiling_total_tok_per_s"]
-    above = C.ceiling_sentence(sizes, 1.5 * tot, 10.0)
-    below = C.ceiling_sentence(sizes, 0.5 * tot, 10.0)
-    assert has("above", above) and "cannot have read every byte" in above
+    above = C.ceiling_sentence(sizes, 1.5 * tot, 10.0, llc_bytes=32 * 2**20)
+    below = C.ceiling_sentence(sizes, 0.5 * tot, 10.0, llc_bytes=32 * 2**20)
+    assert has("above", above) and "cannot have read every byte" in above and "34 MB last-level cache" in above
     assert has("below", below) and "cannot show" in below and not has("above", below)
+
+
+def test_ceiling_sentence_above_the_total_ceiling_cannot_decide_when_the_file_fits_the_cache():
+    """Issue 32: this CPU reports a 480 MiB last-level cache; a 450 MB MoE fits in it, so a rate
+    above the total-bytes ceiling may be cache reads, not fewer bytes."""
+    sizes = _sizes(bw=10.0)                                      # 450.5 MB in all
+    tot = sizes.loc["moe", "ceiling_total_tok_per_s"]
+    fits = C.ceiling_sentence(sizes, 1.5 * tot, 10.0, llc_bytes=480 * 2**20)
+    assert "fit in this CPU's last-level cache" in fits and "cannot tell which ceiling applies" in fits
+    assert "cannot have read every byte" not in fits
+    bigger = C.ceiling_sentence(sizes, 1.5 * tot, 10.0, llc_bytes=400 * 2**20)
+    assert "cannot have read every byte" in bigger and "fit in this CPU's" not in bigger
+    unknown = C.ceiling_sentence(sizes, 1.5 * tot, 10.0, llc_bytes=None)
+    assert "names no cache size" in unknown
 
 
 def test_memory_sentence_follows_the_nearer_prediction():

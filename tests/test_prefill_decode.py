@@ -101,7 +101,7 @@ def test_explain_phases_sentences_flip_with_the_numbers():
                 {16: [50.0, 51.0], 1024: [40.0, 40.5]})
     text = sweeps.explain_phases(df, slope_s=0.001, prefill_ceiling=2000.0, decode_ceiling=ceil)
     assert "about in proportion" in text and "prefill was the cheaper phase here, **19.8×**" in text
-    assert "**falling**" in text and "50% of the compute ceiling" in text
+    assert "**falling**" in text and "50% of the float32 matmul ceiling" in text
     # a fixed cost dominates TTFT, prefill no cheaper than decode, decode flat in its noise
     df = _sweep({16: [0.5, 0.5], 1024: [1.0, 1.0]}, {16: [30, 30], 1024: [30, 30]},
                 {16: [50.0, 60.0], 1024: [55.0, 56.0]})
@@ -113,11 +113,56 @@ def test_explain_phases_sentences_flip_with_the_numbers():
     assert "more than in proportion" in text and "not judged" in text and "about the same" not in text
 
 
-def test_bound_follows_the_balance_point():
+def test_roofline_prediction_is_only_a_prediction():
     card = {"n_params": 100_000_000, "weight_bytes": 50_000_000}       # 4 FLOP/byte per token
-    assert sweeps.bound(card, 1, balance=10.0) == "bandwidth-bound"
-    assert sweeps.bound(card, 1, balance=3.0) == "compute-bound"
-    assert sweeps.bound(card, 256, balance=10.0) == "compute-bound"
+    assert sweeps.roofline_prediction(card, 1, balance=10.0) == "predicts bandwidth-bound"
+    assert sweeps.roofline_prediction(card, 1, balance=3.0) == "predicts compute-bound"
+    assert sweeps.roofline_prediction(card, 256, balance=10.0) == "predicts compute-bound"
+    assert not hasattr(sweeps, "bound")            # no label from arithmetic intensity alone
+
+
+def test_thread_scaling_interleaves_n_its_rerun_and_2n():
+    one, two = FakeEngine(), FakeEngine()
+    df = sweeps.thread_scaling({1: one, 2: two}, prompt_tokens=12, max_tokens=3, repeats=3)
+    assert df.attrs["threads"] == (1, 2) and len(df) == 9
+    assert sorted(df["arm"].unique()) == ["1", "1 (A/A)", "2"] and (df.groupby("arm")["rep"].nunique() == 3).all()
+    assert len(one.seen) == 1 + 6 and len(two.seen) == 1 + 3       # a warm-up each, then n and its rerun on `one`
+    assert all(n == 12 and not cached for n, cached, _ in one.seen)
+    assert df["decode_tok_per_s"].gt(0).all() and df["prefill_tok_per_s"].gt(0).all()
+
+
+def _checks(decode2, prefill2):
+    import pandas as pd
+    rows = []
+    for rep in range(4):
+        for arm, d, p in (("1", 50.0, 800.0), ("1 (A/A)", 50.5 - rep % 2, 805.0 - 10 * (rep % 2)), ("2", decode2, prefill2)):
+            rows.append({"arm": arm, "rep": rep, "decode_tok_per_s": d + 0.1 * rep, "prefill_tok_per_s": p + rep})
+    df = pd.DataFrame(rows)
+    df.attrs["threads"] = (1, 2)
+    return df
+
+
+def test_phase_regimes_read_each_phase_from_the_run():
+    import pandas as pd
+    card = {"n_params": 134.5e6, "weight_bytes": 96.6e6, "n_layers": 30, "n_kv_heads": 3, "head_dim": 64,
+            "vocab_size": 49152, "hidden_size": 576}
+    by_len = pd.DataFrame({"prefill_tok_per_s": [300.0, 900.0, 800.0], "decode_tok_per_s": [54.1, 53.0, 50.0]},
+                          index=pd.Index([16, 256, 1024], name="prompt_len"))
+    machine = {"bandwidth_gbs": 16.2, "threads": 1, "gflops": 150.0, "gflops_source": "torch float32 matmul, 1 thread",
+               "bandwidth": {"size_mb": 1920, "by_threads": {1: 16.2, 2: 17.0}}}
+    roof = sweeps.kernel_roof(by_len, card, machine, float32_kernel=False)
+    assert roof[0] == pytest.approx(roofline.achieved_gflops(900.0, card, "prefill")) and "256 tokens" in roof[1]
+    assert sweeps.kernel_roof(by_len, card, machine, float32_kernel=True) == (150.0, machine["gflops_source"])
+    r = sweeps.phase_regimes(by_len, card, machine, roof, checks=_checks(95.0, 1500.0))
+    dec, pre = r["decode"], r["prefill"]
+    assert dec.label == "neither: kernel/overhead-bound" and dec.threads.gained and dec.judged
+    assert "1,920 MiB array on 1 thread" in dec.text and "1.05× as much on 2 threads" in dec.text
+    assert pre.label == "compute-bound" and pre.memory_share < 0.05
+    # decode near the bandwidth roof, and a second thread adding no more than noise: bandwidth-bound
+    near = by_len.assign(decode_tok_per_s=[140.0, 140.0, 130.0])
+    r = sweeps.phase_regimes(near, card, machine, roof, checks=_checks(50.2, 1500.0))
+    assert r["decode"].label == "bandwidth-bound" and not r["decode"].threads.gained
+    assert sweeps.phase_regimes(by_len, card, machine, roof)["decode"].threads is None
 
 
 class ShapeRecorder(FakeEngine):

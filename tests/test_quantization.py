@@ -139,6 +139,8 @@ def test_cache_line_follows_the_numbers():
     assert "could fit" in fits and "85% of it" in fits and "bytes were not its limit" in fits
     assert "more" not in fits.split("(")[0]
     assert "stay cached" in cache_line(315e6, 269e6, 1.4)
+    near = cache_line(315e6, 269e6, 0.81)          # issue 32: 81 % is near the ceiling, not "not its limit"
+    assert "could be its limit" in near and "bytes were not its limit" not in near
     assert cache_line(None, 269e6, 0.37) == ""
 
 

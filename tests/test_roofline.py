@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from infercourse.measure import machine_probe as mp
 from infercourse.measure import roofline as rl
 
 # SmolLM2-135M-like shape: 30 layers, 3 KV heads of 64 dims.
@@ -55,13 +56,43 @@ def test_bad_backend_is_rejected():
 
 
 def test_bandwidth_units(monkeypatch):
-    """bytes / seconds / 1e9: a 64 MiB array read in 1 s is 0.067 GB/s; a copy moves it twice."""
-    monkeypatch.setattr(rl, "_best_time", lambda fn, **kw: (fn(), 1.0)[1])
-    bw = rl.memory_bandwidth_gbs(64, threads=2)
-    assert bw["read_gbs"] == pytest.approx(64 * 2**20 / 1e9)
-    assert bw["copy_gbs"] == pytest.approx(2 * 64 * 2**20 / 1e9)
-    monkeypatch.setattr(rl, "_best_time", lambda fn, **kw: (fn(), 0.5)[1])
+    """bytes / seconds / 1e9: a 64 MiB array read in 1 s is 0.067 GB/s, on each thread count."""
+    monkeypatch.setattr(mp, "_best_time", lambda fn, **kw: (fn(), 1.0)[1])
+    bw = rl.memory_bandwidth_gbs(64, threads=(1, 2))
+    assert bw["read_gbs"] == pytest.approx(64 * 2**20 / 1e9) and bw["by_threads"][2] == pytest.approx(bw["read_gbs"])
+    assert bw["size_mb"] == 64 and bw["threads"] == 1
+    monkeypatch.setattr(mp, "_best_time", lambda fn, **kw: (fn(), 0.5)[1])
     assert rl.matmul_gflops(64) == pytest.approx(2 * 64**3 / 0.5 / 1e9)
+
+
+def test_probe_array_is_several_times_the_last_level_cache():
+    """Issue 32: a 480 MiB L3 held every probe array (64-256 MB), so 06 read 29 GB/s and 03
+    16 GB/s for one thread. The array is CACHE_FACTOR x the cache, at least MIN_MB, in 64 MiB
+    steps, and at most half the memory available."""
+    assert mp.probe_size_mb(480 * 2**20) == 4 * 480 == 1920
+    assert mp.probe_size_mb(32 * 2**20) == mp.MIN_MB                       # a small cache: the floor
+    assert mp.probe_size_mb(None) == mp.MIN_MB
+    assert mp.probe_size_mb(100 * 2**20) == 448                           # 400 MiB, up to a 64 MiB step
+    assert mp.probe_size_mb(480 * 2**20, available_bytes=2 * 2**30) == 1024   # half of 2 GiB free
+
+
+def test_probe_text_flips_with_the_array_against_the_cache():
+    base = {"by_threads": {1: 15.3}, "llc_bytes": 480 * 2**20, "llc_source": "/sys/.../index3/size = 491520K"}
+    big = rl.probe_text({**base, "size_mb": 1920, "array_over_llc": 4.0})
+    small = rl.probe_text({**base, "size_mb": 64, "array_over_llc": 64 / 480})
+    assert "from memory, not the cache" in big and "may have come from the cache" not in big
+    assert "may have come from the cache" in small and "not the cache" not in small
+    assert "480 MiB" in big and "index3" in big and "1,920 MiB" in big and "15.3 GB/s" in big
+    none = rl.probe_text({**base, "size_mb": 256, "llc_bytes": None, "llc_source": "no cache size found"})
+    assert "could not be sized against the cache" in none
+
+
+def test_achieved_gflops_by_hand():
+    card = {**CARD, "vocab_size": 1000, "hidden_size": 100}
+    assert rl.achieved_gflops(10.0, card) == pytest.approx(10 * 2 * 135e6 / 1e9)
+    assert rl.achieved_gflops(10.0, card, "prefill") == pytest.approx(10 * 2 * (135e6 - 1e5) / 1e9)
+    with pytest.raises(ValueError):
+        rl.achieved_gflops(10.0, card, "verify")
 
 
 def test_matmul_runs_on_the_threads_it_is_given(monkeypatch):
@@ -73,20 +104,22 @@ def test_matmul_runs_on_the_threads_it_is_given(monkeypatch):
     def fake_run(argv, env, **kw):
         seen.update(argv=argv, env=env)
         return SimpleNamespace(stdout="123.5\n")
-    monkeypatch.setattr(rl.subprocess, "run", fake_run)
+    monkeypatch.setattr(mp.subprocess, "run", fake_run)
     assert rl.matmul_gflops(256, threads=1) == 123.5
     assert all(seen["env"][v] == "1" for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"))
     assert seen["argv"][-3] == "256"
 
 
 def test_probe_measures_the_matmul_on_the_engines_threads(monkeypatch):
-    calls = []
-    monkeypatch.setattr(rl, "memory_bandwidth_gbs", lambda size, threads, budget_s: {"read_gbs": 10.0 * threads,
-                                                                                     "copy_gbs": 5.0})
-    monkeypatch.setattr(rl, "matmul_gflops", lambda n, threads=None, **kw: calls.append(threads) or 100.0)
+    calls, sized = [], []
+    monkeypatch.setattr(mp, "memory_bandwidth_gbs", lambda size=None, *, threads, budget_s: sized.append(size) or {
+        "by_threads": {t: 10.0 * t for t in threads}, "size_mb": 1920, "llc_bytes": 1, "llc_source": "x"})
+    monkeypatch.setattr(mp, "matmul_gflops", lambda n, threads=None, **kw: calls.append(threads) or 100.0)
     one = rl.probe(threads=1, quick=True)
     assert calls == [1] and one["matmul_threads"] == 1 and one["bandwidth_gbs"] == 10.0
-    assert rl.probe(threads=2, quick=True)["matmul_threads"] == 2 and calls[-1] == 2
+    assert sized == [None] and one["array_mb"] == 1920                # quick keeps the cache-sized array
+    two = rl.probe(threads=2, quick=True)
+    assert two["matmul_threads"] == 2 and calls[-1] == 2 and two["bandwidth_gbs"] == 20.0
 
 
 @pytest.mark.slow
@@ -102,7 +135,7 @@ def test_matmul_on_one_thread_is_positive_and_torch_keeps_its_setting():
 def test_probe_positive_finite_and_consistent():
     a = rl.probe(quick=True, threads=2)
     assert a["matmul_threads"] == 2
-    for key in ("read_gbs_1t", "copy_gbs_1t", "read_gbs_mt", "matmul_gflops_f32", "bandwidth_gbs"):
+    for key in ("read_gbs_1t", "read_gbs_mt", "matmul_gflops_f32", "bandwidth_gbs"):
         assert math.isfinite(a[key]) and a[key] > 0, key
     # the ceiling used downstream is the best read probe, whatever this machine's speed
     assert a["bandwidth_gbs"] == max(a["read_gbs_1t"], a["read_gbs_mt"])

@@ -45,6 +45,7 @@ AUDITED = {
     "lessons/symptoms.py:cpu_contention": "Comparison.said",
     "ops/recorder_cost.py:compare": "claims.verdict_sentence in recorder_sentence; its goal line says 'too few pairs'",
     "measure/quant_speed.py:request_trials": "decode_verdict column; quant_explain.speed_class (tested below)",
+    "measure/stream_regime.py:thread_check": "claims.verdict_sentence in ThreadCheck.text; PhaseRegime.short prints the verdict string",
     "measure/tuning_log.py:decide": "its own 'why' (tested below)",
 }
 

@@ -52,7 +52,7 @@ from infercourse.ops.agent_lab import EXTEND_CONTEXT
 from infercourse.servers import LlamaServer
 
 __all__ = ["PrefillConfig", "REFERENCE", "CONFIGS", "SIZES", "context_flags", "model_crossover_tokens",
-           "length_prompts", "measure_point", "prefill_curve_run", "plot_curve"]
+           "flop_rate_ratio", "length_prompts", "measure_point", "prefill_curve_run", "prefill_at", "plot_curve"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,14 @@ def model_crossover_tokens(model: str | Path | None = None, *, full_block: bool 
     c = _card(model)
     return flop_crossover_tokens(c.n_params - c.vocab_size * c.hidden_size, c.n_layers, c.n_heads, c.head_dim,
                                  full_block=full_block)
+
+
+def flop_rate_ratio(n_lo: int, n_hi: int, model: str | Path | None = None) -> float:
+    """The prefill rate at `n_hi` ÷ the rate at `n_lo` that FLOPs alone predict: time per token
+    grows as b·(1 + n / n*) with n* = `model_crossover_tokens`, so the rate falls as 1 / (1 + n / n*)
+    (no fixed cost, a kernel that skips the masked half)."""
+    n_star = model_crossover_tokens(model)
+    return (1 + n_lo / n_star) / (1 + n_hi / n_star)
 
 
 def length_prompts(lengths: Sequence[int], model: str | Path | None = None, seed: int = 0) -> dict[int, str]:
@@ -189,6 +197,18 @@ def prefill_curve_run(lengths: Sequence[int] = SIZES["full"]["lengths"],
     out.attrs.update(ctx=ctx, context_flags=extra, threads=threads, contention=busy.message, busy=busy.busy,
                      wall_s=time.perf_counter() - t0, flop_crossover_tokens=model_crossover_tokens(model))
     return out
+
+
+def prefill_at(n: int, run: pd.DataFrame, *, model: str | Path | None = None, seed: int = 1,
+               results_root: str | Path | None = None) -> float:
+    """Server prefill seconds of one more cold point, `n` tokens, on the reference settings and
+    the window, context flags and threads of `run` (a `prefill_curve_run`): a length it did not
+    measure, for a predict-then-measure exercise. `n` must fit the run's window."""
+    if n + 1 > run.attrs["ctx"]:
+        raise ValueError(f"{n} tokens do not fit the run's window of {run.attrs['ctx']}")
+    prompt = length_prompts([n], model, seed)[n]
+    return measure_point(REFERENCE, n, prompt, ctx=run.attrs["ctx"], model=model, threads=run.attrs["threads"],
+                         extra_args=run.attrs["context_flags"], results_root=results_root)["prefill_s"]
 
 
 def plot_curve(df: pd.DataFrame, fit: PrefillFit, *, extend_to: int | None = None, ax=None):

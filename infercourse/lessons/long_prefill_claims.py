@@ -168,8 +168,8 @@ def agent_sentence(fit: PrefillFit, sizes: Mapping[str, int] = AGENT_FIRST_REQUE
     out = []
     for name, n in sizes.items():
         p = predict_prefill_s(n, fit)
-        line = (f"- {name}'s first request ({n:,} tokens): **{p.seconds:.0f} s** of cold prefill at "
-                f"{p.tok_per_s:,.0f} tok/s ({p.note})")
+        line = (f"- Forecast, not a measurement: {name}'s first request ({n:,} tokens) would take **{p.seconds:.0f} s** "
+                f"of cold prefill at {p.tok_per_s:,.0f} tok/s ({p.note})")
         if short_rate:
             line += f"; the short prompt's constant {short_rate:,.0f} tok/s would say {n / short_rate:.0f} s"
         m = (measured_s or {}).get(name)

@@ -74,24 +74,39 @@ def speed_sentence(comps: Mapping[str, Any], sizes: pd.DataFrame) -> str:
     return " ".join(parts)
 
 
-def ceiling_sentence(sizes: pd.DataFrame, moe_tok_per_s: float, bandwidth_gbs: float) -> str:
+def ceiling_sentence(sizes: pd.DataFrame, moe_tok_per_s: float, bandwidth_gbs: float,
+                     llc_bytes: int | None | str = "this machine") -> str:
     """The MoE's measured batch-1 decode rate against its two bandwidth ceilings: bandwidth ÷
-    total bytes (if every byte were read per token) and bandwidth ÷ active bytes.
+    total bytes (if every byte were read per token) and bandwidth ÷ active bytes. A rate above
+    the total-bytes ceiling proves fewer bytes came from memory only where the file cannot sit
+    in the CPU's last-level cache; where it fits, its bytes may come from the cache, faster than
+    the probed memory, and the rate cannot tell the two ceilings apart.
 
     Args:
         sizes: `size_table` with ceilings (its `bandwidth_gbs` given).
         moe_tok_per_s: the measured rate (1 / median step at batch 1).
         bandwidth_gbs: the bandwidth the ceilings used.
+        llc_bytes: the last-level cache (None: unknown; default: read it here,
+            `hardware.last_level_cache_bytes`).
     """
+    if llc_bytes == "this machine":
+        from infercourse.measure.hardware import last_level_cache_bytes
+        llc_bytes = last_level_cache_bytes()
     m = sizes.loc["moe"]
     tot, act = m["ceiling_total_tok_per_s"], m["ceiling_active_tok_per_s"]
     head = (f"At {bandwidth_gbs:.3g} GB/s the MoE's ceilings are {tot:.3g} tok/s from its total bytes "
             f"({m['total_bytes'] / _MB:.0f} MB) and {act:.3g} tok/s from its active bytes "
             f"({m['active_bytes'] / _MB:.0f} MB); it decoded at {moe_tok_per_s:.3g} tok/s, "
             f"{moe_tok_per_s / act:.0%} of the active ceiling")
+    if moe_tok_per_s > tot and llc_bytes and m["total_bytes"] <= llc_bytes:
+        return (head + f", **above** the total-bytes ceiling ({moe_tok_per_s / tot:.2f}×), but all {m['total_bytes'] / _MB:.0f} "
+                f"MB fit in this CPU's last-level cache ({llc_bytes / _MB:.0f} MB): a token may have read every byte from "
+                "the cache, faster than the probed memory, so the rate cannot tell which ceiling applies.")
     if moe_tok_per_s > tot:
+        where = (f" (and, at {m['total_bytes'] / _MB:.0f} MB, more than this CPU's {llc_bytes / _MB:.0f} MB last-level "
+                 "cache holds)" if llc_bytes else " (this machine names no cache size to rule a cache out)")
         return (head + f", **above** the total-bytes ceiling ({moe_tok_per_s / tot:.2f}×): a token cannot have "
-                "read every byte the file holds, so the active ceiling is the one that applies.")
+                f"read every byte the file holds from memory{where}, so the active ceiling is the one that applies.")
     return (head + f", below both ceilings ({moe_tok_per_s / tot:.0%} of the total one): the rate alone cannot show "
             "that only the active bytes are read (something else, arithmetic or threads, sets the pace).")
 

@@ -1,14 +1,18 @@
 """Prefill vs decode: sweep the prompt length, and put the two phases against their ceilings.
 
 A request has two phases. *Prefill* runs every prompt token through the model at once:
-the weights are read from memory once and used for all n tokens, so it does 2 x params
-FLOPs per token and is limited by arithmetic (compute-bound). *Decode* makes one token per
-step: every step reads all the weights (and the KV cache) to do 2 x params FLOPs for a
-single token, so it is limited by memory bandwidth (bandwidth-bound).
+the weights are read from memory once per pass and used for all its tokens, 2 x params FLOPs
+per token. *Decode* makes one token per step: every step reads all the weights (and the KV
+cache) to do 2 x params FLOPs for a single token.
 
-Arithmetic intensity (FLOPs per byte read) says which limit applies: prefill of n tokens
-does about 2 x params x n FLOPs per weight_bytes read, decode n = 1. The machine's balance
-point is FLOP/s / (bytes/s); a phase whose intensity is below it waits on memory.
+Arithmetic intensity (FLOPs per byte read) predicts which limit applies: prefill of n tokens
+does about 2 x params x n FLOPs per weight_bytes read, decode n = 1. Against the machine's
+balance point (FLOP/s / bytes/s) the roofline *predicts* decode waits on memory and prefill
+on arithmetic (`roofline_prediction`). The run then says what happened (`phase_regimes`,
+`measure.stream_regime.phase_regime`): each phase's share of the bandwidth roof (MBU) and of a
+compute roof of its own kernel's data type, and a thread check (`thread_scaling`: 1 and 2
+threads, with an A/A rerun). A GPU at batch 1 streams weights near its bandwidth roof; one CPU
+thread running llama.cpp's quantized kernels can leave memory idle much of the time.
 
 `prefill_sweep` sends exact-length prompts (a fixed token count, re-tokenized to check)
 through `bench.run`, so warm-up, forced output length and result files are the bench's;
@@ -19,7 +23,7 @@ for the exercises that predict a number before measuring it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 
@@ -33,8 +37,8 @@ from infercourse.core.types import Request
 from infercourse.measure.results import new_run_dir
 from infercourse.measure.workloads import exact_length_prompt, local_tokenizer
 
-__all__ = ["length_requests", "prefill_sweep", "timeline", "measure_ceilings", "bound", "explain_phases",
-           "ttft_at", "e2e_at"]
+__all__ = ["length_requests", "prefill_sweep", "timeline", "measure_ceilings", "roofline_prediction",
+           "explain_phases", "thread_scaling", "kernel_roof", "phase_regimes", "ttft_at", "e2e_at"]
 
 
 def length_requests(engine, lengths: Sequence[int], *, max_tokens: int = 32, repeats: int = 1,
@@ -99,38 +103,27 @@ def timeline(engine, prompt_tokens: int = 256, max_tokens: int = 32, *,
     return res.traces[0]
 
 
-def measure_ceilings(n_threads: int = 1, *, size_mb: int = 128, matmul_n: int = 1024) -> dict[str, Any]:
-    """This machine's bandwidth and FLOP/s *with the engine's thread count*.
-
-    `roofline.probe` lets numpy's BLAS use every core; a 1-thread engine cannot, so the
-    FLOP/s here come from a float32 torch matmul limited to `n_threads` (torch's thread
-    setting is restored after), and bandwidth from `n_threads` reader threads.
+def measure_ceilings(n_threads: int = 1, *, scaling_threads: int | None = None, size_mb: int | None = None,
+                     matmul_n: int = 1024) -> dict[str, Any]:
+    """This machine's bandwidth and FLOP/s *with the engine's thread count*: the course's one
+    probe (`roofline.machine_ceilings`: an array sized from the last-level cache, a float32
+    matmul on `n_threads`), with `scaling_threads` read too for the thread check.
 
     Args:
-        n_threads: the engine's thread count.
-        size_mb: bandwidth probe array size (far above cache sizes).
+        n_threads: the engine's thread count; scaling_threads: e.g. 2 x n_threads.
+        size_mb: bandwidth probe array (None: sized from the cache).
         matmul_n: matrix size for the FLOP/s probe.
     """
-    bw = roofline.memory_bandwidth_gbs(size_mb, threads=n_threads, budget_s=1.5)
-    try:
-        import torch
-    except ImportError:  # without torch, numpy's BLAS (all cores): an upper bound
-        return {"bandwidth_gbs": bw["read_gbs"], "gflops": roofline.matmul_gflops(matmul_n),
-                "threads": n_threads, "gflops_source": "numpy BLAS, all cores"}
-    before = torch.get_num_threads()
-    torch.set_num_threads(n_threads)
-    try:
-        gflops = roofline.matmul_gflops(matmul_n, backend="torch", budget_s=1.5)
-    finally:
-        torch.set_num_threads(before)
-    return {"bandwidth_gbs": bw["read_gbs"], "gflops": gflops, "threads": n_threads,
-            "gflops_source": f"torch float32 matmul, {n_threads} thread(s)"}
+    return roofline.machine_ceilings(n_threads, scaling_threads=scaling_threads, size_mb=size_mb,
+                                     matmul_n=matmul_n)
 
 
-def bound(card: Any, n_tokens: int, balance: float) -> str:
-    """"compute-bound" or "bandwidth-bound": a pass of `n_tokens` tokens against the machine
-    balance (FLOP/s ÷ bytes/s), from the arithmetic intensity, not from a label."""
-    return "compute-bound" if roofline.arithmetic_intensity(card, n_tokens) > balance else "bandwidth-bound"
+def roofline_prediction(card: Any, n_tokens: int, balance: float) -> str:
+    """What arithmetic intensity alone predicts for a pass of `n_tokens` tokens against the
+    machine balance (FLOP/s ÷ bytes/s): "predicts bandwidth-bound" or "predicts compute-bound".
+    A prediction, to set beside what the run shows (`phase_regimes`), never a label."""
+    side = "compute" if roofline.arithmetic_intensity(card, n_tokens) > balance else "bandwidth"
+    return f"predicts {side}-bound"
 
 
 def explain_phases(df: pd.DataFrame, *, slope_s: float, prefill_ceiling: float,
@@ -171,13 +164,110 @@ def explain_phases(df: pd.DataFrame, *, slope_s: float, prefill_ceiling: float,
         f"tokens ({t_ratio:.1f}× for {n_ratio:.0f}× the tokens, {shape}); about **{slope_s * 1e3:.2f} ms per "
         f"extra prompt token** (slope of a fitted line).",
         f"- Prefill runs at **{pre[hi]:,.0f} tok/s** on the longest prompt, {pre[hi] / prefill_ceiling:.0%} of "
-        f"the compute ceiling ({prefill_ceiling:,.0f} tok/s).",
+        f"the float32 matmul ceiling ({prefill_ceiling:,.0f} tok/s).",
         f"- Decode runs at **{dec[lo]:.1f} tok/s** after {lo} prompt tokens and **{dec[hi]:.1f} tok/s** after {hi}: "
         f"model bandwidth utilization (MBU) {dec[lo] / decode_ceiling(lo):.0%} and "
         f"{dec[hi] / decode_ceiling(hi):.0%} of the bandwidth ceiling. "
         + trend_sentence([lo, hi], [dec[lo], dec[hi]], floor, what="Decode speed", x_name="context"),
         f"- One decode step takes **{1e3 / dec[lo]:.1f} ms** for one token; prefill handles a token in "
         f"**{1e3 / pre[hi]:.2f} ms**: {which}"])
+
+
+# -- what bound each phase: the run's shares of its roofs, and a thread check ----------------------
+def thread_scaling(engines: Mapping[int, Any], *, prompt_tokens: int = 256, max_tokens: int = 32, repeats: int = 4,
+                   tokenize: Callable[[str], list] | None = None, seed: int = 0) -> pd.DataFrame:
+    """Both phases at n and 2n threads, interleaved with an A/A rerun at n: `repeats` blocks,
+    each running "n", "n (A/A)" and "2n" once in a shuffled order (`noise.schedule`) on one
+    exact-length prompt of its own (no cache). One row per trial: arm, rep, threads,
+    prefill_tok_per_s, decode_tok_per_s (client clocks, as the sweep); attrs["threads"] = (n, 2n).
+
+    Args:
+        engines: {n: engine on n threads, 2n: the same model on 2n threads}.
+        prompt_tokens, max_tokens: the request's shape (both phases long enough to time).
+        repeats: blocks (3 at least for the test ever to call a difference).
+    """
+    from infercourse.core import metrics
+    from infercourse.core.trace import record
+    from infercourse.measure import noise
+    n, m = sorted(engines)
+    arms = {f"{n}": n, f"{n} (A/A)": n, f"{m}": m}
+    reqs = {rep: length_requests(engines[n], [prompt_tokens], max_tokens=max_tokens, tokenize=tokenize,
+                                 seed=seed + 7919 * rep)[0] for rep in range(-1, repeats)}
+    for eng in engines.values():                       # warm-up: page-in, first-call set-up
+        record(eng, reqs[-1], raise_errors=True)
+    rows = []
+    for rep, arm in noise.schedule(list(arms), repeats, seed=seed):
+        tr = record(engines[arms[arm]], reqs[rep], raise_errors=True)
+        rows.append({"arm": arm, "rep": rep, "threads": arms[arm], "prefill_tok_per_s": metrics.prefill_tok_per_s(tr),
+                     "decode_tok_per_s": metrics.decode_tok_per_s(tr)})
+    out = pd.DataFrame(rows)
+    out.attrs["threads"] = (n, m)
+    return out
+
+
+def kernel_roof(by_len: pd.DataFrame, card: Any, machine: dict[str, Any], *, float32_kernel: bool) -> tuple[float, str]:
+    """(GFLOP/s, where from): the compute roof of the engine's own kernels. A float32 model
+    (transformers) meets the probe's float32 matmul; llama.cpp's quantized kernels multiply
+    int8/int16 blocks, which no probe here runs, so their roof is their own best prefill in
+    the sweep (`roofline.achieved_gflops`).
+
+    Args:
+        by_len: the sweep's medians by prompt length (prefill_tok_per_s).
+        card: the model card; machine: `measure_ceilings` output.
+        float32_kernel: the engine multiplies float32 weights.
+    """
+    if float32_kernel:
+        return machine["gflops"], machine["gflops_source"]
+    n = by_len["prefill_tok_per_s"].idxmax()
+    rate = float(by_len["prefill_tok_per_s"][n])
+    return roofline.achieved_gflops(rate, card, "prefill"), (
+        f"the engine's own prefill, {rate:,.0f} tok/s at {int(n):,} tokens: the fastest its quantized kernels ran in "
+        "this sweep, since no probe multiplies int8 blocks as they do")
+
+
+def _check(checks: pd.DataFrame | None, col: str, bw_ratio: float | None):
+    from infercourse.measure import stream_regime
+    if checks is None or checks.empty:
+        return None
+    n, m = checks.attrs["threads"]
+    w = checks.pivot(index="rep", columns="arm", values=col)
+    return stream_regime.thread_check(w[f"{n}"], w[f"{m}"], w[f"{n} (A/A)"], threads=(n, m), bandwidth_ratio=bw_ratio)
+
+
+def phase_regimes(by_len: pd.DataFrame, card: Any, machine: dict[str, Any], roof: tuple[float, str], *,
+                  checks: pd.DataFrame | None = None, n_batch: int = 512) -> dict[str, Any]:
+    """{"decode": PhaseRegime, "prefill": PhaseRegime} (`measure.stream_regime.phase_regime`): decode
+    at the shortest context, prefill at the longest prompt, each against the probed bandwidth
+    on the engine's threads and `roof`, with the thread check's verdict and A/A band.
+
+    Args:
+        by_len: the sweep's medians by prompt length; card: the model card.
+        machine: `measure_ceilings` output (with `scaling_threads` for the bandwidth ratio).
+        roof: `kernel_roof` output.
+        checks: `thread_scaling` output (None: no thread check).
+        n_batch: prompt tokens per pass (the weights are read once per pass).
+    """
+    from infercourse.measure import stream_regime
+    lo, hi = int(by_len.index.min()), int(by_len.index.max())
+    bw = machine["bandwidth"]
+    ratio = None
+    if checks is not None and len(bw["by_threads"]) > 1:
+        n, m = checks.attrs["threads"]
+        ratio = bw["by_threads"][m] / bw["by_threads"][n]
+    src = f"a {bw['size_mb']:,} MiB array on {machine['threads']} thread{'s' if machine['threads'] > 1 else ''}"
+    out = {}
+    for phase, col, rate, nbytes, flops in (
+            ("decode", "decode_tok_per_s", by_len["decode_tok_per_s"][lo], roofline.bytes_per_decoded_token(card, lo),
+             2 * roofline.decode_params_per_token(card)),
+            ("prefill", "prefill_tok_per_s", by_len["prefill_tok_per_s"][hi],
+             roofline.bytes_per_decoded_token(card, 0) / min(hi, n_batch), 2 * roofline.prefill_params_per_token(card))):
+        check = _check(checks, col, ratio)
+        name = f"Decode after {lo:,} prompt tokens" if phase == "decode" else f"Prefill of {hi:,} tokens"
+        out[phase] = stream_regime.phase_regime(name, float(rate), bytes_per_token=nbytes, flops_per_token=flops,
+                                         bandwidth_gbs=machine["bandwidth_gbs"], compute_gflops=roof[0],
+                                         compute_source=roof[1], bandwidth_source=src,
+                                         floor=None if check is None else check.floor, threads=check)
+    return out
 
 
 # -- one point again, with one setting changed (the predict-then-measure exercises) ---------------

@@ -137,8 +137,10 @@ def cache_line(llc_bytes: int | None, weight_bytes: float, mbu: float) -> str:
     if ratio > 1:
         return f"{head}, {ratio:.1f}× more, so every decoded token streams them from memory again."
     verdict = ("above 100%: some of them stay cached" if mbu > 1 else
-               "under 100%: whatever the cache held, decode ran below the memory ceiling, so bytes were not "
-               "its limit (the F16 line says what per-weight work it does)")
+               "at least half of it: reading them could be its limit (the regime lines say), and no cache hit "
+               "shows" if mbu >= 0.5 else
+               "under half of it: whatever the cache held, decode ran far below the memory ceiling, so bytes "
+               "were not its limit (the F16 line says what per-weight work it does)")
     return f"{head} ({ratio:.0%} of it): they could fit, and F16's MBU of {mbu:.0%} is {verdict}."
 
 

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 __all__ = ["speed_class", "bytes_text", "speed_text", "bf16_text", "cpu_has_bf16", "memory_text",
-           "quality_text", "explain"]
+           "quality_text", "explain", "method_regimes", "regime_text"]
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")   # x86 instructions that multiply bfloat16 directly
 
@@ -141,3 +141,40 @@ def explain(df, has_bf16: bool | None = None) -> str:
     """The Explain cell's bullets and the bf16 paragraph, all from `df`."""
     return "\n".join([bytes_text(df), speed_text(df), memory_text(df), quality_text(df), "",
                       bf16_text(df, has_bf16)])
+
+
+# -- what bound each format's decode: the run's shares of its roofs (measure.stream_regime) ------
+def method_regimes(df, n_params: float, bandwidth_gbs: float, *, f32_gflops: float | None = None,
+                   f32_source: str = "", bandwidth_source: str = "") -> dict:
+    """{format: stream_regime.PhaseRegime} of every row's decode: its weight bytes a token at its
+    measured rate against the probed bandwidth, and 2 x params FLOPs against a compute roof
+    of its own data type, which only the float32 reference has here (a float32 matmul on the
+    same threads); the quantized rows have no such probe, and their label says so.
+
+    Args:
+        df: `measure_methods` rows (format, weight_bytes, decode_tok_per_s).
+        n_params: the model's parameters; bandwidth_gbs: probed on the engines' threads.
+        f32_gflops, f32_source: the float32 matmul roof and where it came from.
+        bandwidth_source: how the bandwidth was probed, for the sentence.
+    """
+    from infercourse.measure import stream_regime
+    out = {}
+    for r in df[df["decode_tok_per_s"] > 0].itertuples():     # a row that did not run has no rate
+        f32 = r.format == "fp32"
+        out[r.format] = stream_regime.phase_regime(
+            f"{r.format} decode", r.decode_tok_per_s, bytes_per_token=r.weight_bytes, flops_per_token=2 * n_params,
+            bandwidth_gbs=bandwidth_gbs, compute_gflops=f32_gflops if f32 else None,
+            compute_source=f32_source if f32 else "no probe runs this format's kernel", bandwidth_source=bandwidth_source)
+    return out
+
+
+def regime_text(regimes: dict) -> str:
+    """One line per format (its label and shares), then the rows that reached half their
+    bandwidth roof: where fewer bytes could have bought speed."""
+    from infercourse.measure.regime import NEAR_ROOF
+    lines = [f"- **{name}**: {r.rate:.1f} tok/s, {r.short}." for name, r in regimes.items()]
+    bound = [name for name, r in regimes.items() if r.label == "bandwidth-bound"]
+    lines.append(f"- Reached {NEAR_ROOF:.0%} of the bandwidth roof: " + (", ".join(bound) if bound else
+                 "**no format**: none of them was held by memory here, so bytes alone could not set their speed")
+                 + ". One speed per format against one probe: each label is a reading.")
+    return "\n".join(lines)

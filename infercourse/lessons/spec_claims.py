@@ -18,7 +18,7 @@ from infercourse.measure.claims import interval_word
 from infercourse.measure.noise import TOO_FEW, band_text
 
 __all__ = ["outcome", "speedup_text", "proposals_sentence", "explain_speculation", "loop_verdicts", "helps_guess_text",
-           "plot_speedup"]
+           "plot_speedup", "baseline_regimes", "regime_text"]
 
 
 def outcome(verdict: str, config: str, baseline: str) -> str:
@@ -182,3 +182,37 @@ def plot_speedup(df, ax=None):
            title="Speculative decoding: acceptance vs speed-up")
     ax.legend(title="prompt")
     return ax
+
+
+def baseline_regimes(df, weights: Mapping[str, tuple[float, bool]], n_params: float, machine: dict) -> dict:
+    """{baseline: stream_regime.PhaseRegime} of each baseline's plain decode (median over prompts of
+    its first run's rate): does a pass wait on memory, where verifying k+1 positions costs about
+    one pass, or on the cores, where extra positions cost time?
+
+    Args:
+        df: `compare_speculation` rows (config, decode_tok_per_s).
+        weights: {baseline: (bytes a token reads, True if it multiplies float32: then the
+            probe's float32 matmul is its compute roof)}.
+        n_params: parameters a token multiplies; machine: `roofline.machine_ceilings` output.
+    """
+    from infercourse.measure import stream_regime
+    out = {}
+    for name, (nbytes, f32) in weights.items():
+        rate = float(df.loc[df["config"] == name, "decode_tok_per_s"].median())
+        out[name] = stream_regime.phase_regime(
+            f"{name} decode", rate, bytes_per_token=nbytes, flops_per_token=2 * n_params,
+            bandwidth_gbs=machine["bandwidth_gbs"], compute_gflops=machine["gflops"] if f32 else None,
+            compute_source=machine["gflops_source"] if f32 else "no probe runs llama.cpp's quantized kernels",
+            bandwidth_source=f"{machine['bandwidth']['size_mb']:,} MiB array, {machine['threads']} thread(s)")
+    return out
+
+
+def regime_text(regimes: dict) -> str:
+    """Each baseline's regime, and what it means for verification's cost on this machine."""
+    lines = [f"- **{name}**: {r.text}" for name, r in regimes.items()]
+    held = [name for name, r in regimes.items() if r.label == "bandwidth-bound"]
+    lines.append("- So on this machine the cost model's premise (a pass over k+1 positions costs about one pass, "
+                 "because it waits on memory) " + (f"holds for {', '.join(held)}." if held else
+                 "holds for **no baseline**: their passes were not held by memory, so an extra position verified is "
+                 "not free here (the hand loop's `passes` and `cpu_s` show what it cost)."))
+    return "\n".join(lines)

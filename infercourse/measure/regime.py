@@ -27,6 +27,9 @@ A rate measured *above* a roof means that roof is wrong (its probe under-read th
 the sentence says so, and no label is read from it. Where the decode rate's A/A band lets a
 share sit on either side of its threshold, the label is "too close to call"; with one run per
 batch size (no band) the label is a reading, and says so.
+
+One stream, one phase (notebooks 03, 04, 06-08: MBU, a compute roof of the kernel's own data
+type and a thread check) is read by `measure.stream_regime`, with the same `NEAR_ROOF`.
 """
 from __future__ import annotations
 

@@ -4,153 +4,40 @@ Decoding one token reads every weight once, plus the KV cache of the context so 
 decode speed can never beat  memory bandwidth / bytes read per token. Prefill does about
 2 FLOPs per parameter per prompt token (one multiply and one add), so it can never beat
 FLOP/s / (2 * params multiplied per token: the embedding is a lookup, not a
-matmul). `probe()` measures both ceilings here in a few seconds with numpy
-(large-array max and copy for bandwidth, float32 matmul for FLOP/s, best of N): a
-simple, repeatable stand-in for STREAM and a BLAS benchmark, not a tuned record.
-Both are measured on the engine's own thread count: a 1-thread server's ceiling is one
-core's. With B sequences decoded together (`batch_ceiling`) one read of the weights serves
-B tokens, so the memory roof rises with B while the compute roof stays put.
+matmul). The two numbers are probed here (`measure.machine_probe`, re-exported: `probe`,
+`machine_ceilings`): a read of an array several times the CPU's last-level cache for
+bandwidth, float32 matmuls for FLOP/s, best of N, on the engine's own thread count (a
+1-thread server's ceiling is one core's): a simple, repeatable stand-in for STREAM and a
+BLAS benchmark, not a tuned record. With B sequences decoded together (`batch_ceiling`) one
+read of the weights serves B tokens, so the memory roof rises with B while the compute roof
+stays put.
+
+A ceiling is a bound, not a label. Model bandwidth utilisation (MBU) = measured decode tok/s
+/ the bandwidth ceiling: report it with every decode number, so "12 tok/s" becomes "12 tok/s
+= 40 % of what this memory allows". A phase is *bandwidth-bound* only near that ceiling and
+*compute-bound* only near a compute roof of its own kernel's data type (`achieved_gflops`
+turns a measured rate into FLOP/s, e.g. llama.cpp's long-prompt prefill as the roof of its
+quantized kernels); `measure.stream_regime.phase_regime` reads the label from those shares, never
+from arithmetic intensity alone (`arithmetic_intensity` and `balance_tokens` are the
+prediction the measurement is set against).
 
 The client has a ceiling too: `chunks_per_second` measures how many streamed chunks one
 client process takes in (and the CPU each costs) from `testing.SSESource`, a local server that is
 never the bottleneck; a real server streaming far fewer leaves the client idle.
-
-Model bandwidth utilisation (MBU) = measured decode tok/s / ceiling: report it with every
-decode number, so "12 tok/s" becomes "12 tok/s = 40 % of what this memory allows".
 """
 from __future__ import annotations
 
-import math
-import os
-import subprocess
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
-
+from infercourse.measure.machine_probe import (machine_ceilings, matmul_gflops, memory_bandwidth_gbs,  # noqa: F401
+                                               probe, probe_text)
 from infercourse.models.modelcard import kv_bytes_per_token
 
-__all__ = ["probe", "memory_bandwidth_gbs", "matmul_gflops", "kv_bytes_per_token",
+__all__ = ["probe", "memory_bandwidth_gbs", "matmul_gflops", "machine_ceilings", "probe_text", "kv_bytes_per_token",
            "bytes_per_decoded_token", "decode_ceiling_tok_per_s", "prefill_ceiling_tok_per_s",
            "prefill_params_per_token", "decode_params_per_token", "batch_ceiling",
-           "mbu", "arithmetic_intensity", "balance_tokens", "ceilings", "chunks_per_second"]
-
-
-def _best_time(fn: Callable[[], Any], *, repeats: int, budget_s: float) -> float:
-    """Fastest of up to `repeats` runs (after one warm-up), stopping when over budget."""
-    fn()
-    best, t_end = math.inf, time.perf_counter() + budget_s
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() > t_end:
-            break
-    return best
-
-
-def memory_bandwidth_gbs(size_mb: int = 256, *, threads: int = 1, repeats: int = 30,
-                         budget_s: float = 2.0) -> dict[str, float]:
-    """Read bandwidth (max of a large float32 array: a SIMD scan that, unlike the
-    pairwise `sum`, is not compute-bound) and copy bandwidth (bytes read + written).
-
-    Args:
-        size_mb: array size; far larger than any CPU cache so we measure DRAM.
-        threads: split the array across this many threads (numpy releases the GIL).
-        repeats: best of this many timed runs (a ceiling is the peak: on a shared machine
-            the more short runs, the likelier one meets an idle core).
-        budget_s: stop repeating after this long.
-    """
-    n = size_mb * 2**20 // 4
-    src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
-    parts = np.array_split(np.arange(n), threads)
-    bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts if len(p)]
-    pool = ThreadPoolExecutor(threads) if threads > 1 else None
-
-    def run(op):
-        if pool is None:
-            return op(0, n)
-        return list(pool.map(lambda b: op(*b), bounds))
-
-    try:
-        t_read = _best_time(lambda: run(lambda a, b: src[a:b].max()), repeats=repeats, budget_s=budget_s / 2)
-        t_copy = _best_time(lambda: run(lambda a, b: np.copyto(dst[a:b], src[a:b])), repeats=repeats,
-                            budget_s=budget_s / 2)
-    finally:
-        if pool is not None:
-            pool.shutdown()
-    return {"read_gbs": src.nbytes / t_read / 1e9, "copy_gbs": 2 * src.nbytes / t_copy / 1e9,
-            "threads": threads, "size_mb": size_mb}
-
-
-# BLAS reads its thread count from these when it loads: a child process started with them
-# set runs the matmul on exactly that many threads (numpy has no thread setting of its own)
-_BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
-                     "VECLIB_MAXIMUM_THREADS")
-_CHILD = ("import sys; from infercourse.measure.roofline import matmul_gflops as f; "
-          "print(f(int(sys.argv[1]), repeats=int(sys.argv[2]), budget_s=float(sys.argv[3])))")
-
-
-def matmul_gflops(n: int = 512, *, threads: int | None = None, backend: str = "numpy", repeats: int = 200,
-                  budget_s: float = 1.0) -> float:
-    """float32 n x n matmul throughput, 2 n^3 FLOPs per product, best of up to `repeats`.
-
-    Many short products, keeping the fastest: on a shared machine one of them runs while
-    no neighbour holds the core, and a ceiling is the peak, not the average.
-
-    Args:
-        threads: BLAS threads (None: the library's default, every core). Give the engine's:
-            a 1-thread server's roof is one core's. Every core is also fragile: a BLAS whose
-            threads wait for each other collapses when any core is busy (a 2-core VM beside
-            one busy loop read 6-50 GFLOP/s on 2 threads, and 150 on 1).
-        backend: "numpy" (its BLAS; with `threads`, in a child process whose BLAS starts with
-            that many) or "torch" (CPU; its thread setting, restored after).
-        repeats, budget_s: best of this many products, stopping after this long.
-    """
-    if backend not in ("numpy", "torch"):
-        raise ValueError(f"backend must be 'numpy' or 'torch', got {backend!r}")
-    if backend == "numpy" and threads is not None:
-        env = {**os.environ, **{v: str(threads) for v in _BLAS_THREAD_VARS}}
-        out = subprocess.run([sys.executable, "-c", _CHILD, str(n), str(repeats), str(budget_s)], env=env,
-                             capture_output=True, text=True, timeout=60 + 10 * budget_s, check=True)
-        return float(out.stdout.split()[-1])
-    if backend == "torch":
-        import torch
-        a, b = torch.rand(n, n), torch.rand(n, n)
-        fn = lambda: torch.mm(a, b)  # noqa: E731
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads or before)
-        try:
-            return 2 * n**3 / _best_time(fn, repeats=repeats, budget_s=budget_s) / 1e9
-        finally:
-            torch.set_num_threads(before)
-    rng = np.random.default_rng(0)
-    a, b = rng.random((n, n), np.float32), rng.random((n, n), np.float32)
-    return 2 * n**3 / _best_time(lambda: a @ b, repeats=repeats, budget_s=budget_s) / 1e9
-
-
-def probe(*, threads: int | None = None, quick: bool = False) -> dict[str, Any]:
-    """Measure this machine's ceilings on `threads` threads: single- and multi-thread read
-    bandwidth, and float32 matmul GFLOP/s on that many threads (`matmul_threads`).
-
-    Args:
-        threads: the engine's thread count (default: logical cores). Bandwidth is read on
-            one thread and on this many; the matmul runs on exactly this many.
-        quick: smaller arrays and shorter budgets (numbers are noisier).
-    """
-    threads = threads or os.cpu_count() or 1
-    size = 64 if quick else 256
-    one = memory_bandwidth_gbs(size, threads=1, budget_s=1.0 if quick else 2.0)
-    out: dict[str, Any] = {"read_gbs_1t": one["read_gbs"], "copy_gbs_1t": one["copy_gbs"]}
-    if threads > 1:
-        many = memory_bandwidth_gbs(size, threads=threads, budget_s=1.0 if quick else 2.0)
-        out.update(read_gbs_mt=many["read_gbs"], copy_gbs_mt=many["copy_gbs"])
-    out.update(threads=threads, array_mb=size, matmul_threads=threads,
-               matmul_gflops_f32=matmul_gflops(512, threads=threads, budget_s=0.5 if quick else 1.5))
-    out["bandwidth_gbs"] = max(v for k, v in out.items() if k.startswith("read_gbs"))
-    return out
+           "mbu", "achieved_gflops", "arithmetic_intensity", "balance_tokens", "ceilings", "chunks_per_second"]
 
 
 # -- model arithmetic ---------------------------------------------------------------------------
@@ -251,6 +138,21 @@ def batch_ceiling(card: Any, machine: dict[str, Any], batch_sizes, context: int 
 def mbu(decode_tok_per_s: float, bandwidth_gbs: float, card: Any, context: int = 0, **kw: Any) -> float:
     """Model bandwidth utilisation: measured decode tok/s / the bandwidth ceiling (0..1)."""
     return decode_tok_per_s / decode_ceiling_tok_per_s(bandwidth_gbs, card, context, **kw)
+
+
+def achieved_gflops(tok_per_s: float, card: Any, phase: str = "decode") -> float:
+    """The arithmetic a measured rate did, in GFLOP/s: tok/s x 2 x the params a token of that
+    phase multiplies (`decode_params_per_token`, `prefill_params_per_token`). A long prompt's
+    prefill rate gives what a kernel reaches when arithmetic, not memory, is the limit: the
+    compute roof of a quantized kernel that no float32 probe measures.
+
+    Args:
+        tok_per_s: the measured rate; card: the model card; phase: "decode" or "prefill".
+    """
+    if phase not in ("decode", "prefill"):
+        raise ValueError(f"phase must be 'decode' or 'prefill', got {phase!r}")
+    params = decode_params_per_token(card) if phase == "decode" else prefill_params_per_token(card)
+    return tok_per_s * 2 * params / 1e9
 
 
 def arithmetic_intensity(card: Any, n_tokens: int) -> float:
