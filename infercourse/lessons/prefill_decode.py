@@ -104,7 +104,7 @@ def timeline(engine, prompt_tokens: int = 256, max_tokens: int = 32, *,
 
 
 def measure_ceilings(n_threads: int = 1, *, scaling_threads: int | None = None, size_mb: int | None = None,
-                     matmul_n: int = 1024) -> dict[str, Any]:
+                     matmul_n: int = 1024, bandwidth: bool = True) -> dict[str, Any]:
     """This machine's bandwidth and FLOP/s *with the engine's thread count*: the course's one
     probe (`roofline.machine_ceilings`: an array sized from the last-level cache, a float32
     matmul on `n_threads`), with `scaling_threads` read too for the thread check.
@@ -113,9 +113,10 @@ def measure_ceilings(n_threads: int = 1, *, scaling_threads: int | None = None, 
         n_threads: the engine's thread count; scaling_threads: e.g. 2 x n_threads.
         size_mb: bandwidth probe array (None: sized from the cache).
         matmul_n: matrix size for the FLOP/s probe.
+        bandwidth: False: the FLOP/s alone (01, 02 and 05 bound a prefill, not a decode).
     """
     return roofline.machine_ceilings(n_threads, scaling_threads=scaling_threads, size_mb=size_mb,
-                                     matmul_n=matmul_n)
+                                     matmul_n=matmul_n, bandwidth=bandwidth)
 
 
 def roofline_prediction(card: Any, n_tokens: int, balance: float) -> str:

@@ -189,7 +189,7 @@ def probe(*, threads: int | None = None, quick: bool = False) -> dict[str, Any]:
 
 
 def machine_ceilings(n_threads: int = 1, *, scaling_threads: int | None = None, matmul_n: int = 1024,
-                     size_mb: int | None = None) -> dict[str, Any]:
+                     size_mb: int | None = None, bandwidth: bool = True) -> dict[str, Any]:
     """Bandwidth and float32 FLOP/s on the engine's thread count: the probe every notebook
     uses. bandwidth_gbs (on `n_threads`), bandwidth (the probe's dict: `probe_text`), gflops
     (torch's float32 matmul on `n_threads`, else numpy's BLAS in a child on that many),
@@ -201,9 +201,11 @@ def machine_ceilings(n_threads: int = 1, *, scaling_threads: int | None = None, 
             thread-scaling check (`stream_regime.thread_check`).
         matmul_n: matrix size for the FLOP/s probe.
         size_mb: bandwidth array (None: sized from the cache).
+        bandwidth: False skips the bandwidth probe (seconds on a cache-sized array) for a
+            lesson that needs only the FLOP/s; bandwidth_gbs is then None.
     """
     counts = [n_threads] + ([scaling_threads] if scaling_threads and scaling_threads != n_threads else [])
-    bw = memory_bandwidth_gbs(size_mb, threads=counts, budget_s=1.0)
+    bw = memory_bandwidth_gbs(size_mb, threads=counts, budget_s=1.0) if bandwidth else {"read_gbs": None}
     try:
         import torch  # noqa: F401
         gflops, src = matmul_gflops(matmul_n, threads=n_threads, backend="torch", budget_s=1.0), "torch"
