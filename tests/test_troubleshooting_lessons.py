@@ -115,10 +115,20 @@ def test_every_symptom_row_is_reproduced_by_something(monkeypatch):
         monkeypatch.setattr(symptoms, how, live(how))
     monkeypatch.setattr(symptoms, "cache_buster_check", live("cache_buster"))
     monkeypatch.setattr(symptoms, "tool_check", live("anthropic_tools"))
+    # the agent failures' reproducers live in other lessons; notebook 18 passes them in
+    agent = {how: live(how) for how in ("reasoning_dropped", "many_tools", "quantized_kv", "spec_tool_calls")}
     for name, (suspects, how) in symptoms.SYMPTOMS.items():
-        row = symptoms.reproduce(name, SimpleNamespace(url="http://stand-in"))
+        row = symptoms.reproduce(name, SimpleNamespace(url="http://stand-in"), reproducers=agent)
         assert called[-1] == how and row.skipped is None and row.layer in LAYERS, (name, row)
     assert len(called) == len(symptoms.SYMPTOMS)
+
+
+def test_an_agent_row_without_its_reproducer_is_skipped_with_the_reason():
+    """Lessons never import each other: without `reproducers` an agent row says where its
+    measurement lives, and is skipped rather than faked."""
+    from types import SimpleNamespace
+    row = symptoms.reproduce("thinking model slow on every new message", SimpleNamespace(url="http://stand-in"))
+    assert row.layer is None and "agent_failures" in row.skipped and "reproducers=" in row.skipped
 
 
 def test_a_fault_outside_the_guides_suspects_says_why():

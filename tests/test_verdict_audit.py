@@ -21,6 +21,8 @@ from infercourse.measure import noise
 # function -> how a too-few verdict reaches the learner
 AUDITED = {
     "cli/report.py:report_main": "results.compare (a table of the runs), not noise.compare: no verdict",
+    "lessons/agent_failures_numerics.py:spec_table": "verdict column is Comparison.said; spec_sentence words it "
+                                                      "with claims.verdict_sentence",
     "lessons/capstone.py:route_comparison": "Comparisons passed to fastest(), which counts too_few",
     "lessons/capstone.py:changed_most": "names the routes judged on too few calls (tested below)",
     "lessons/capstone.py:delay_text": "claims.verdict_sentence",

@@ -56,6 +56,11 @@ SYMPTOMS = {
     "streaming fails": (("API", "server"), "cut"),
     "new model will not run": (("model", "runtime", "memory"), "model_corrupt"),
     "model runs but the agent is unstable": (("context", "model"), "context_overflow"),
+    # the local-agent failures of notebook 19's "Four failures, live" (reproducers: lessons.agent_failures*)
+    "thinking model slow on every new message": (("KV cache", "context"), "reasoning_dropped"),
+    "tool calls fail with many tools connected": (("model", "context"), "many_tools"),
+    "tool calls break late in a long session": (("KV cache", "context", "model"), "quantized_kv"),
+    "tool calls change with speculative decoding": (("engine", "runtime"), "spec_tool_calls"),
 }
 
 # Why the layer this lab's evidence names can differ from the guide's suspects.
@@ -68,6 +73,9 @@ DIFFERS = {
                               "shared machine): no line in the log, no rise in the cgroup's oom_kill counter, so the "
                               "doctor sees a process gone (server); the RSS growth before the kill is what says "
                               "memory (a real OOM kill raises that counter, and the doctor then names memory)",
+    "thinking model slow on every new message": "the cache misses (KV cache), but what moved is the chat template, "
+                                                "which ships with the model: it stops rendering earlier turns' "
+                                                "reasoning once a new user message arrives",
 }
 
 # The rows reproduced by a live measurement rather than a fault: (what is measured, the layer it names).
@@ -78,6 +86,13 @@ MEASURED = {
     "cache_buster": ("cached tokens of the same /v1/messages call with a fixed and with a changing header",
                      "KV cache"),
     "anthropic_tools": ("the doctor's /v1/messages checks: a tool call and its result", "model or API"),
+    "reasoning_dropped": ("the first changed token and the cache lost per call of a thinking session, through a "
+                          "Qwen3-style template and with reasoning kept", "model"),
+    "many_tools": ("the right tool at 1 to 100 tool schemas (tool_choice required); a count past the window sent once",
+                   "context or model"),
+    "quantized_kv": ("NLL of a reference tool call and the greedy call after a long session, f16 vs q4_0 KV cache",
+                     "KV cache"),
+    "spec_tool_calls": ("generated tokens of greedy tool calls with and without a draft model", "runtime"),
 }
 
 _HTML = re.compile(r"<[^>]+>")
@@ -244,7 +259,8 @@ def cpu_contention(server, repeats: int = 3, max_tokens: int = 24) -> tuple[str 
         {**v, "alone_tok_s": alone, "shared_tok_s": with_hogs, "kept": with_hogs / alone}
 
 
-def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float = 3.0) -> SymptomRow:
+def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float = 3.0,
+              reproducers: dict | None = None) -> SymptomRow:
     """Reproduce one row live on `server` (a running LlamaServer lent to it, handed back healthy).
 
     Args:
@@ -252,6 +268,9 @@ def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float =
         server: the lab's LlamaServer.
         seconds: the longest a fault may last.
         timeout_s: how long each doctor probe waits.
+        reproducers: {how: fn(server) -> (layer or None, evidence, values)} for the rows whose
+            measurement lives in another lesson (the agent failures: lessons never import each
+            other, so notebook 18 passes them in); a row without one is skipped with the reason.
     """
     suspects, how = SYMPTOMS[symptom]
     row, t0 = SymptomRow(symptom, suspects, how), time.perf_counter()
@@ -269,12 +288,16 @@ def reproduce(symptom: str, server, *, seconds: float = 20.0, timeout_s: float =
                                  f"MiB over {n['answered']} answers (+{n['step_mib']:.1f} MiB of host prompt cache "
                                  f"each), killed at the {n['limit_mib']:.0f}-MiB limit")
         else:
-            row.layer, row.evidence, row.values = {"context_growth": context_growth,
-                                                   "cpu_contention": cpu_contention,
-                                                   "cache_buster": lambda s: cache_buster_check(s.url),
-                                                   "anthropic_tools": lambda s: tool_check(s.url)}[how](server)
-            if row.layer is None:
-                row.evidence = "not reproduced beyond noise: " + row.evidence
+            fn = {"context_growth": context_growth, "cpu_contention": cpu_contention,
+                  "cache_buster": lambda s: cache_buster_check(s.url),
+                  "anthropic_tools": lambda s: tool_check(s.url), **(reproducers or {})}.get(how)
+            if fn is None:
+                raise InferCourseError(f"no reproducer given for {how!r} (lessons.agent_failures* has it; "
+                                       "notebook 18 passes it as reproducers=)")
+            row.layer, row.evidence, row.values = fn(server)
+            if row.layer is None:   # the agent rows compare exact counts, not times against noise
+                row.evidence = ("not reproduced here: " if how in (reproducers or {}) else
+                                "not reproduced beyond noise: ") + row.evidence
     except InferCourseError as e:   # cannot be produced here: say why, never fake it
         row.skipped = f"skipped: {e}"
     row.seconds = time.perf_counter() - t0
