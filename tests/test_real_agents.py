@@ -315,8 +315,11 @@ def test_doctor_fixes_follow_the_findings():
     env = json.loads(agent_doctor.fixes("claude-code", "http://127.0.0.1:8", GOOD, SHAPE, checks))["env"]
     assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0" and env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "32768"
     assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in env       # read as >= 100k by the pinned client: no fix
-    cap = int(env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"])            # the first request stays under the compact line
-    assert cap == max(256, min(32000, 32768 - 13000 - int(SHAPE["prompt_tokens"])))
+    cap = int(env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"])            # the session grows before it compacts
+    lim = agents.claude_window_limits(32768, cap)
+    assert cap >= agents.CLAUDE_MIN_ANSWER_CAP and lim["compacts_above"] - int(SHAPE["prompt_tokens"]) >= agents.CLAUDE_GROWTH
+    assert env["ANTHROPIC_AUTH_TOKEN"] and env["ANTHROPIC_DEFAULT_SONNET_MODEL"] == env["ANTHROPIC_MODEL"] \
+        == env["ANTHROPIC_DEFAULT_OPUS_MODEL"]                 # a fresh install asks no login; subagents' aliases
     assert int(env["API_TIMEOUT_MS"]) >= 600000
     clean = json.loads(agent_doctor.fixes("claude-code", "http://127.0.0.1:8", GOOD, SHAPE,
                                           agent_doctor.grade_agent_route(GOOD, SHAPE)))["env"]
@@ -326,17 +329,34 @@ def test_doctor_fixes_follow_the_findings():
     assert "stream_idle_timeout_ms" in agent_doctor.fixes("codex", "http://127.0.0.1:8", GOOD, SHAPE, checks)
 
 
+def test_claude_budget_sizes_window_cap_and_compaction_line_together():
+    """Issue 33 §3: the doctor's old window (first + 13,256) put the compaction line on the first
+    request, and its cap (window - 13,000 - first) was 403 tokens: every call compacted, and tasks
+    ended 'exceeded the 403 output token maximum'."""
+    b = agents.claude_budget(10_636)
+    assert b["window"] % 256 == 0 and b["answer_cap"] >= agents.CLAUDE_ANSWER_CAP and b["fits"]
+    assert b["compacts_above"] - 10_636 >= agents.CLAUDE_GROWTH > 0 and b["refuses_above"] > b["compacts_above"]
+    old = agents.claude_budget(10_636, 24_064)                   # the old doctor's window: no room for both
+    assert not old["fits"] and old["answer_cap"] == agents.CLAUDE_MIN_ANSWER_CAP
+    big = agents.claude_budget(10_636, 200_000)                  # a big window: the agent's own 32,000
+    assert big["answer_cap"] == 32_000 and big["compacts_above"] == 200_000 - 20_000 - 13_000
+    from infercourse.ops.agent_budget import budget_line
+    line = budget_line(10_636, 65_536, label="30B at 64k")
+    assert line.startswith("30B at 64k: window 65,536") and f"{65_536 - 20_000 - 13_000:,}" in line
+    assert "too little" in budget_line(10_636, 24_064) and "too little" not in line
+
+
 def test_doctor_names_the_servers_fix_with_the_window_the_agent_needs():
     # fits, with room under Claude Code's compaction line: nothing for the server to change
     assert agent_doctor.server_fix("claude-code", GOOD, SHAPE) is None
     need = agent_doctor.window_needed("claude-code", SHAPE)
-    assert need == -(-(10000 + 13000 + 256) // 256) * 256 and need % 256 == 0
+    assert need == -(-(10000 + agents.CLAUDE_GROWTH + 13000 + agents.CLAUDE_ANSWER_CAP) // 256) * 256 and need % 256 == 0
     small = {**GOOD, "n_ctx_slot": 8192, "n_ctx_train": 8192}
     fix = agent_doctor.server_fix("claude-code", small, SHAPE)
     assert "does not fit the slot's 8,192" in fix and f"-c {need} -np 1" in fix and "--rope-scaling yarn" in fix
     # fits the first request, but the compaction line falls below it: the fix says so
-    tight = agent_doctor.server_fix("claude-code", {**GOOD, "n_ctx_slot": 16384, "n_ctx_train": 32768}, SHAPE)
-    assert "compacts at every call" in tight and "yarn" not in tight   # within the trained context
+    tight = agent_doctor.server_fix("claude-code", {**GOOD, "n_ctx_slot": 16384, "n_ctx_train": 65536}, SHAPE)
+    assert "compacts after a step or two" in tight and "yarn" not in tight   # within the trained context
     assert agent_doctor.server_fix("codex", {**GOOD, "n_ctx_slot": 16384}, SHAPE) is None
     # the agent's settings go with the server as fixed
     env = json.loads(agent_doctor.fixes("claude-code", "u", small, SHAPE, []))["env"]

@@ -10,10 +10,12 @@ is read and added. The words of the callers that write their own are checked wit
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 import infercourse
 from infercourse.measure import noise
@@ -122,3 +124,15 @@ def test_clock_verdicts_say_too_few_pairs():
     t = latency.clock_verdicts(un, loaded)
     for v in t["verdict"]:
         assert v == noise.TOO_FEW, t
+
+
+def test_a_p_at_its_floor_says_so():
+    """Issue 33 §4: 21 quoted p = 0.037 as if the data had pushed it there; with 3 pairs of A, its
+    A/A rerun and B it is 1/3^3, the smallest p those pairs can give, whatever the effect."""
+    from infercourse.lessons.capstone import p_words
+    a = np.array([1.0, 1.02, 0.99])
+    floor = noise.noise_floor(a, a * 1.01)
+    at_floor = noise.compare(a, a * 2, floor, labels=("x", "y"))
+    assert at_floor.p == pytest.approx(1 / 27) and re.search(r"\bthe smallest p 3 pairs can give\b", p_words(at_floor))
+    mixed = noise.compare(np.r_[a, 1.0, 1.01], np.r_[a * 2, 0.9, 1.3], floor, labels=("x", "y"))
+    assert mixed.p > 1 / 3 ** 5 and "smallest" not in p_words(mixed)

@@ -28,7 +28,7 @@ from infercourse.ops.faults import inject
 # capstone.routes and capstone._route_d)
 from infercourse.ops.guide_routes import Route, _route_d, replay, routes  # noqa: F401
 
-__all__ = ["Route", "routes", "replay", "summarize", "floors", "route_comparison", "fastest", "changed_most",
+__all__ = ["Route", "routes", "replay", "summarize", "floors", "route_comparison", "p_words", "fastest", "changed_most",
            "delay_trial", "predicted_e2e", "delay_text", "delay_exercise", "ratio_exercise", "soak_recipe"]
 
 
@@ -73,6 +73,17 @@ def route_comparison(baseline: pd.DataFrame, again: pd.DataFrame, x: str, y: str
     return cx, cy
 
 
+def p_words(c: "noise.Comparison") -> str:
+    """A comparison's p, and when it is the smallest its pairs can give, that it is: with n
+    pairs a relabelling test has k^n relabellings (k = 3 for A, its A/A rerun and B; 2 for
+    the sign flips against a band), so p cannot fall below 1/k^n, whatever the data."""
+    k = 3 if "relabelled" in c.test else 2
+    n = c.interval.n
+    floor_p = k ** -n if n else float("nan")
+    at_floor = n and abs(c.p - floor_p) <= 1e-9 + 1e-6 * floor_p
+    return f"p = {c.p:.2g}" + (f", the smallest p {n} pairs can give" if at_floor else "")
+
+
 def fastest(baseline: pd.DataFrame, again: pd.DataFrame, metric: str = "ttft_s") -> dict[str, Any]:
     """Which route answered fastest, if this run can tell: a route counts only when its
     `metric` beat every other route's beyond the A/A noise of both routes compared
@@ -113,7 +124,7 @@ def fastest(baseline: pd.DataFrame, again: pd.DataFrame, metric: str = "ttft_s")
             lines.append(f"- route {y}: no call answered on both routes in both replays; not compared.")
             continue
         lines.append(f"- {claims.verdict_sentence(cx, name)} With route {y}'s own A/A rerun as the reference: "
-                     f"{cy.said} (p = {cy.p:.2g}).")
+                     f"{cy.said} ({p_words(cy)}).")
     if winner:
         lines.append(f"**Route {winner} answered fastest**: its {name} beat every other route's beyond the A/A "
                      "noise of both routes compared.")

@@ -34,6 +34,7 @@ import httpx
 
 from infercourse.core.errors import InferCourseError
 from infercourse.measure.workloads import DATA_DIR
+from infercourse.ops.agent_budget import budget_line, claude_budget
 from infercourse.ops.layers import LayerCheck
 
 __all__ = ["SHAPES", "agent_shape", "shape_from_capture", "probe_agent_route", "grade_agent_route", "fixes",
@@ -231,11 +232,11 @@ def grade_agent_route(ev: dict[str, Any], shape: dict[str, Any], *, timeout_s: f
 
 def window_needed(agent: str, shape: dict[str, Any], min_output: int = 1024) -> int:
     """The slot window to ask of the server, in llama-server's steps of 256: the first request
-    and `min_output` for an answer; for Claude Code also room under its compaction line (window
-    less its answer cap, at least 256, less 13,000), or it compacts at every call."""
-    from infercourse.ops.agents import CLAUDE_COMPACT_BUFFER
-    need = int(shape["prompt_tokens"]) + (CLAUDE_COMPACT_BUFFER + 256 if agent == "claude-code" else min_output)
-    return -(-need // 256) * 256
+    and `min_output` for an answer; for Claude Code `agents.claude_budget`'s window (an answer
+    cap it can work with and room to grow under its compaction line, or it compacts at every call)."""
+    if agent == "claude-code":
+        return int(claude_budget(int(shape["prompt_tokens"]))["window"])
+    return -(-(int(shape["prompt_tokens"]) + min_output) // 256) * 256
 
 
 def server_fix(agent: str, ev: dict[str, Any], shape: dict[str, Any], min_output: int = 1024) -> str | None:
@@ -243,10 +244,11 @@ def server_fix(agent: str, ev: dict[str, Any], shape: dict[str, Any], min_output
     `window_needed`, extended with YaRN where that passes the model's trained context."""
     from infercourse.ops.agent_lab import EXTEND_CONTEXT
     n_ctx, first, need = ev.get("n_ctx_slot"), int(shape["prompt_tokens"]), window_needed(agent, shape, min_output)
-    if not n_ctx or n_ctx >= need:
+    if not n_ctx or n_ctx >= need or (agent == "claude-code" and claude_budget(first, n_ctx)["fits"]):
         return None
     why = (f"the first request ({first:,} tokens) does not fit the slot's {n_ctx:,}" if n_ctx < first + min_output
-           else f"on {n_ctx:,} tokens Claude Code's compaction line falls below its first request: it compacts at every call")
+           else f"on {n_ctx:,} tokens Claude Code cannot have both an answer cap it can work with and room to grow "
+           "under its compaction line: it compacts after a step or two, or at every call")
     flags = f"-c {need} -np 1"
     train = ev.get("n_ctx_train")
     if train and need > train:
@@ -261,6 +263,8 @@ def report(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], chec
     """The checks, one line each, then the server's fix (where one is needed) and the agent's settings."""
     lines = [f"  [{c.status:4}] {c.layer:8} {c.summary}" for c in checks]
     fix = server_fix(agent, ev, shape)
+    if agent == "claude-code" and ev.get("n_ctx_slot"):   # the budget on the window the settings name
+        lines.append(budget_line(int(shape["prompt_tokens"]), max(ev["n_ctx_slot"], window_needed(agent, shape) * bool(fix))))
     return "\n".join(lines + ([fix] if fix else []) + [
         "settings that fix what was found" + (" (with the server's fix)" if fix else "") + ":",
         fixes(agent, url, ev, shape, checks, served_name)])
@@ -270,7 +274,8 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
           served_name: str | None = None) -> str:
     """The settings that fix what the checks found, with values from the probe: Claude
     Code's `env` block, or Codex's provider block."""
-    from infercourse.ops.agents import CLAUDE_COMPACT_BUFFER, CLAUDE_WINDOW_ENV, claude_settings, codex_config
+    from infercourse.ops.agent_budget import CLAUDE_WINDOW_ENV
+    from infercourse.ops.agents import DUMMY_KEY, claude_settings, codex_config
     n_ctx = ev.get("n_ctx_slot")
     if server_fix(agent, ev, shape):   # the settings go with the server as fixed
         n_ctx = max(n_ctx or 0, window_needed(agent, shape))
@@ -281,18 +286,17 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
     if agent == "codex":
         return codex_config(url, name, stream_idle_timeout_ms=int(timeout_s * 1000), stream_max_retries=1,
                             request_max_retries=1, context_window=n_ctx)
-    env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_MODEL": name, "ANTHROPIC_DEFAULT_HAIKU_MODEL": name,
+    # a dummy token, or a fresh install asks for a login; every alias (subagents ask for sonnet/opus) -> the model
+    env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": DUMMY_KEY, "ANTHROPIC_MODEL": name,
+           **{f"ANTHROPIC_DEFAULT_{a}_MODEL": name for a in ("HAIKU", "SONNET", "OPUS")},
            "API_TIMEOUT_MS": int(timeout_s * 1000), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": 1}
     if any(c.layer == "KV cache" and c.status == "fail" for c in checks):
         env["CLAUDE_CODE_ATTRIBUTION_HEADER"] = 0
     if n_ctx:
         # the pinned Claude Code takes its window from CLAUDE_CODE_MAX_CONTEXT_TOKENS (it reads an
-        # AUTO_COMPACT_WINDOW under 100k as 100k); it compacts past window - answer cap - 13,000, so
-        # the cap leaves the first request under that line where the window allows (else: 256, and
-        # it compacts at every call, which notebook 20 shows)
+        # AUTO_COMPACT_WINDOW under 100k as 100k); the cap comes with the compaction line (claude_budget)
         env[CLAUDE_WINDOW_ENV] = n_ctx
-        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = max(256, min(32000, n_ctx - CLAUDE_COMPACT_BUFFER
-                                                            - int(shape["prompt_tokens"])))
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = claude_budget(int(shape["prompt_tokens"]), n_ctx)["answer_cap"]
     return claude_settings(env)
 
 

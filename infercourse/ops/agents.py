@@ -44,7 +44,8 @@ from infercourse.models.embedded import cache_dir
 __all__ = ["AGENTS", "PINS", "pinned_packages", "agents_dir", "binary", "node_needed", "version", "missing_reason",
            "install",
            "LAB_ENV", "check_env", "sealed_env", "claude_argv", "codex_argv", "codex_config", "claude_settings", "DUMMY_KEY",
-           "CLAUDE_WINDOW_ENV", "CLAUDE_ASSUMED_WINDOW", "CLAUDE_AUTO_COMPACT_WINDOW_FLOOR", "claude_window_limits"]
+           "CLAUDE_WINDOW_ENV", "CLAUDE_ASSUMED_WINDOW", "CLAUDE_AUTO_COMPACT_WINDOW_FLOOR", "claude_window_limits",
+           "claude_budget", "CLAUDE_ANSWER_CAP", "CLAUDE_GROWTH"]
 
 SPEC_DIR = Path(__file__).resolve().parents[2] / "tools" / "agents"
 
@@ -74,29 +75,10 @@ QUIET_ENV = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDAT
              "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "NO_COLOR": "1"}
 
 
-# Claude Code's own window arithmetic, read from the pinned 2.1.328's code (another version may
-# differ; notebook 20 measures where it compacts). For a model id it does not know it assumes
-# 1,000,000 tokens unless CLAUDE_CODE_MAX_CONTEXT_TOKENS names the window. It plans with that
-# window less min(its max output tokens, 20,000); it compacts when a prompt passes that less
-# 13,000 (room for the summary) and refuses to send one ("Prompt is too long") past that less
-# 3,000. CLAUDE_CODE_AUTO_COMPACT_WINDOW is no substitute on a small server: a value under
-# 100,000 tokens is read as 100,000, so on a smaller server it never compacts in time (and the
-# window the agent reports, modelUsage.*.contextWindow, stays 1,000,000).
-CLAUDE_WINDOW_ENV = "CLAUDE_CODE_MAX_CONTEXT_TOKENS"
-CLAUDE_ASSUMED_WINDOW = 1_000_000
-CLAUDE_OUTPUT_RESERVE_CAP = 20_000
-CLAUDE_COMPACT_BUFFER = 13_000
-CLAUDE_BLOCKING_BUFFER = 3_000
-CLAUDE_AUTO_COMPACT_WINDOW_FLOOR = 100_000
-
-
-def claude_window_limits(window: int, max_output: int = 32_000) -> dict[str, int]:
-    """Where the pinned Claude Code compacts and where it refuses to send, told `window`
-    (CLAUDE_CODE_MAX_CONTEXT_TOKENS) with answers capped at `max_output`
-    (CLAUDE_CODE_MAX_OUTPUT_TOKENS; 32,000 unset). A limit below the first prompt: at every call."""
-    planned = window - min(max_output, CLAUDE_OUTPUT_RESERVE_CAP)
-    return {"window": window, "max_output": max_output, "planned": planned,
-            "compacts_above": planned - CLAUDE_COMPACT_BUFFER, "refuses_above": planned - CLAUDE_BLOCKING_BUFFER}
+# the pinned Claude Code's window arithmetic lives in ops.agent_budget (re-exported here)
+from infercourse.ops.agent_budget import (  # noqa: F401
+    CLAUDE_WINDOW_ENV, CLAUDE_ASSUMED_WINDOW, CLAUDE_OUTPUT_RESERVE_CAP, CLAUDE_COMPACT_BUFFER, CLAUDE_BLOCKING_BUFFER, CLAUDE_AUTO_COMPACT_WINDOW_FLOOR,
+    CLAUDE_ANSWER_CAP, CLAUDE_MIN_ANSWER_CAP, CLAUDE_GROWTH, claude_budget, claude_window_limits)
 
 
 def agents_dir() -> Path:
