@@ -506,6 +506,34 @@ def test_compaction_sentence_flips_with_what_each_session_did(monkeypatch):
     assert "1 turn(s) hit the task's time bound" in s and "did not finish a compaction in this run" in s
 
 
+def test_each_task_ends_in_the_agents_own_words():
+    """Issue 33 §2: a turn cut by the answer cap, a blocking_limit, a Codex failure and a lab
+    timeout were all 'ended: error' or worse, 'completed'; the agent's own result says which."""
+    from infercourse.ops.agent_lab import agent_outcome
+    cut = {"exit": 1, "is_error": True, "subtype": "success",
+           "result_preview": "API Error: Claude's response exceeded the 64 output token maximum."}
+    assert agent_outcome(cut).startswith("api_error: API Error: Claude's response exceeded the 64")
+    assert agent_outcome({"exit": 1, "terminal_reason": "blocking_limit", "result_preview": ""}) == "prompt_too_long"
+    assert agent_outcome({"exit": 0, "is_error": False, "subtype": "success", "result_preview": "Done."}) == "completed"
+    assert agent_outcome({"exit": 0, "is_error": False, "subtype": "success",
+                          "result_preview": "I can't help with that."}) == "refused"
+    assert agent_outcome({"exit": 1, "codex_last_event": "turn.failed", "codex_error": "stream disconnected"}) == \
+        "api_error: stream disconnected"
+    assert agent_outcome({"exit": 0, "codex_last_event": "turn.completed", "result_preview": ""}) == "completed"
+    assert agent_outcome({"exit": "timeout"}) == "timeout" and agent_outcome({"exit": 3}) == "error (exit 3)"
+
+
+def test_the_compaction_sentence_reports_each_turns_end_in_the_agents_words(monkeypatch):
+    as_is, told = _two_sessions(monkeypatch)
+    told = told.iloc[:-1].assign(agent_said=lambda d: d["turn"].map(
+        {"t0": "api_error: cap", "t1": "completed", "t2": "completed", "t3": "completed"}))
+    s = rc.compaction_sentence(as_is, told, 9000)
+    assert "in the agent's words: t0 api_error: cap, t1 completed, t2 completed, t3 completed" in s
+    assert re.search(r"\bagent compacted \(yet 1 of its turns did not complete\)", s)
+    done = told.assign(agent_said="completed")
+    assert "did not complete" not in rc.compaction_sentence(as_is, done, 9000)
+
+
 def test_amplification_counts_identical_resends_of_the_first_request(tmp_path, monkeypatch):
     calls = pd.DataFrame({"task": ["short"] * 4 + ["long"] * 2, "api": "anthropic",
                           "first_diff": ["first call", "identical", "identical", "message 3 (user)", "system 0", "message 1"],

@@ -134,5 +134,7 @@ def test_a_p_at_its_floor_says_so():
     floor = noise.noise_floor(a, a * 1.01)
     at_floor = noise.compare(a, a * 2, floor, labels=("x", "y"))
     assert at_floor.p == pytest.approx(1 / 27) and re.search(r"\bthe smallest p 3 pairs can give\b", p_words(at_floor))
+    from infercourse.measure import claims
+    assert "(p = 0.037, the smallest p 3 pairs can give; at most 0.05 false positives)" in claims.verdict_sentence(at_floor)
     mixed = noise.compare(np.r_[a, 1.0, 1.01], np.r_[a * 2, 0.9, 1.3], floor, labels=("x", "y"))
     assert mixed.p > 1 / 3 ** 5 and "smallest" not in p_words(mixed)

@@ -74,14 +74,9 @@ def route_comparison(baseline: pd.DataFrame, again: pd.DataFrame, x: str, y: str
 
 
 def p_words(c: "noise.Comparison") -> str:
-    """A comparison's p, and when it is the smallest its pairs can give, that it is: with n
-    pairs a relabelling test has k^n relabellings (k = 3 for A, its A/A rerun and B; 2 for
-    the sign flips against a band), so p cannot fall below 1/k^n, whatever the data."""
-    k = 3 if "relabelled" in c.test else 2
-    n = c.interval.n
-    floor_p = k ** -n if n else float("nan")
-    at_floor = n and abs(c.p - floor_p) <= 1e-9 + 1e-6 * floor_p
-    return f"p = {c.p:.2g}" + (f", the smallest p {n} pairs can give" if at_floor else "")
+    """A comparison's p, and when it is the smallest its pairs can give, that it is
+    (`claims.p_text`: 3 pairs of A, its A/A rerun and B cannot give less than 1/27 = 0.037)."""
+    return claims.p_text(c)
 
 
 def fastest(baseline: pd.DataFrame, again: pd.DataFrame, metric: str = "ttft_s") -> dict[str, Any]:

@@ -111,7 +111,8 @@ def _session_read(v: pd.DataFrame) -> dict[str, Any]:
             "rewrote_after_refusal": first is not None and len(by_server) > 0 and first > by_server.index[0],
             "before": before.iloc[-1] if len(before) else float("nan"),
             "after": sent["prompt_tokens"].iloc[first] if first is not None else float("nan"),
-            "window": v["agent_window"].max(), "compact_logged": list(turns.loc[turns["compact_logged"], "turn"])}
+            "window": v["agent_window"].max(), "compact_logged": list(turns.loc[turns["compact_logged"], "turn"]),
+            "said": [f"{r.turn} {r.agent_said}" for r in turns.itertuples() if isinstance(getattr(r, "agent_said", None), str)]}
 
 
 def _session_clause(name: str, r: dict[str, Any]) -> str:
@@ -131,7 +132,8 @@ def _session_clause(name: str, r: dict[str, Any]) -> str:
     else:
         hist = "its history was never rewritten"
     bound = f"; {r['timeouts']} turn(s) hit the task's time bound" if r["timeouts"] else ""
-    return f"{name}, {said}: {refused}; {hist}; its largest prompt was {r['largest']:,.0f} tokens{bound}"
+    ends = f"; how each turn ended, in the agent's words: {', '.join(r['said'])}" if r.get("said") else ""
+    return f"{name}, {said}: {refused}; {hist}; its largest prompt was {r['largest']:,.0f} tokens{bound}{ends}"
 
 
 def compaction_sentence(as_is: pd.DataFrame, told: pd.DataFrame, window: int) -> str:
@@ -140,8 +142,10 @@ def compaction_sentence(as_is: pd.DataFrame, told: pd.DataFrame, window: int) ->
     where the history was rewritten and the prompt size around it, the turns cut by the time
     bound, and what, from these, the run shows about compaction."""
     a, t = _session_read(as_is), _session_read(told)
+    failed = [x for x in t.get("said", []) if not x.endswith(" completed")]
     if t["rewrites"] and t["after"] < t["before"]:
-        verdict = "Told the window, the agent compacted" + (
+        verdict = "Told the window, the agent compacted" + (f" (yet {len(failed)} of its turns did not complete)"
+                                                            if failed else "") + (
             f", and still the server refused {t['server_refused']} of its calls" if t["server_refused"]
             else " and the server refused none of its calls") + (
             "; as is, the server refused the session" + (", and the agent compacted only after that refusal."

@@ -70,6 +70,7 @@ def session_view(out: str | Path) -> pd.DataFrame:
     for _, t in tasks.iterrows():
         windows, sources = t.get("assumed_context_window"), t.get("query_sources")
         turn = {"turn": t["task"], "ended": {0: "ok", "timeout": "timeout"}.get(t["exit"], "error"),
+                "agent_said": t.get("agent_said"),
                 "agent_window": max(windows.values()) if isinstance(windows, dict) and windows else float("nan"),
                 "compact_logged": isinstance(sources, list) and "compact" in sources}
         c = gen[gen["task"] == t["task"]]

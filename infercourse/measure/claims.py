@@ -19,7 +19,7 @@ import numpy as np
 
 from infercourse.core.summary import order_stat_ci
 
-__all__ = ["band_verdict", "verdict_sentence", "mean_vs_median", "ratio_sentence", "shape_sentence", "share_vs_yardstick",
+__all__ = ["band_verdict", "verdict_sentence", "p_text", "mean_vs_median", "ratio_sentence", "shape_sentence", "share_vs_yardstick",
            "marginal_cost_sentence", "trend_sentence", "interval_word"]
 
 
@@ -27,6 +27,18 @@ def interval_word(exact: bool) -> str:
     """"interval" when the order statistics give a real confidence interval, else "range":
     with too few pairs the bracket is just the smallest and largest value seen."""
     return "95% interval" if exact else "range"
+
+
+def p_text(c: Any) -> str:
+    """A comparison's p, and where it is the smallest its pairs can give, that it is: a relabelling
+    test over n pairs has k^n relabellings (k = 3 for A, its A/A rerun and B; 2 for sign flips
+    against a band or no change), so p cannot fall below 1/k^n whatever the effect; more pairs,
+    not a bigger difference, would lower it. Judged only where every relabelling was enumerated."""
+    from infercourse.measure.noise import EXACT_MAX
+    k, n = (3 if "relabelled" in c.test else 2), c.interval.n
+    floor = k ** -n if n and k ** n <= EXACT_MAX else None
+    at_floor = floor is not None and abs(c.p - floor) <= 1e-9 + 1e-6 * floor
+    return f"p = {c.p:.2g}" + (f", the smallest p {n} pairs can give" if at_floor else "")
 
 
 def verdict_sentence(c: Any, what: str = "") -> str:
@@ -54,7 +66,7 @@ def verdict_sentence(c: Any, what: str = "") -> str:
                 f"can produce (p = {c.p:.2g}, above {c.level:.3g}{side}); this run cannot rank them.")
     beyond = "beyond the A/A rerun's noise" if c.against == "the A/A rerun" else \
         "a change beyond chance" if c.against == "no change" else f"beyond {c.against}"
-    return f"{head}: {c.verdict}, {beyond} (p = {c.p:.2g}, at most {c.level:.3g} false positives{side})."
+    return f"{head}: {c.verdict}, {beyond} ({p_text(c)}; at most {c.level:.3g} false positives{side})."
 
 
 def mean_vs_median(x: Sequence[float], name: str, *, scale: float = 1e3, unit: str = "ms",

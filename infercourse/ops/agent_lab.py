@@ -35,6 +35,7 @@ manifest says so.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -44,7 +45,7 @@ from typing import Any
 from infercourse.core.errors import AgentLayerError
 from infercourse.ops import netns
 
-__all__ = ["Task", "LabSpec", "run_lab", "EXTEND_CONTEXT", "calls_table", "tasks_table", "anatomy", "refused_size",
+__all__ = ["Task", "LabSpec", "run_lab", "EXTEND_CONTEXT", "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size",
            "network_line"]
 
 
@@ -176,7 +177,6 @@ def network_line(out: str | Path) -> str:
 
 def refused_size(error: Any) -> float:
     """The prompt size in llama-server's refusal ("request (N tokens) exceeds ..."), or NaN."""
-    import re
     m = re.search(r"request \((\d+) tokens\)", error if isinstance(error, str) else "")
     return float(m.group(1)) if m else float("nan")
 
@@ -212,12 +212,41 @@ def calls_table(out: str | Path) -> "pd.DataFrame":
     return df.sort_values("request_id").reset_index(drop=True)
 
 
+def agent_outcome(task: dict[str, Any]) -> str:
+    """How a task ended in the agent's own words, from its own result (never from the server's
+    side): "completed"; "api_error: ..." (the agent reports an API error: a refused call, or an
+    answer cut at its output cap, which Claude Code treats as an error); "prompt_too_long" (it
+    refused to send, or compaction failed: `terminal_reason` blocking_limit); "refused" (it
+    answered, declining); "timeout" (the lab's task bound, not the agent's); else "error (exit N)".
+
+    Args:
+        task: one row of `tasks_table` (exit, is_error, subtype, terminal_reason, result_preview,
+            codex_last_event, codex_error).
+    """
+    said = str(task.get("result_preview") or "")
+    if task.get("exit") == "timeout":
+        return "timeout"
+    if task.get("terminal_reason") == "blocking_limit" or "Prompt is too long" in said:
+        return "prompt_too_long"
+    codex = task.get("codex_last_event")
+    if codex in ("turn.failed", "error") or (task.get("is_error") and "API Error" in said):
+        why = task.get("codex_error") if codex else said
+        return "api_error: " + " ".join(str(why or "").split())[:90]
+    if codex == "turn.completed" or (task.get("subtype") == "success" and not task.get("is_error")):
+        return "refused" if re.match(r"\s*(I can(no|')t|I'm (sorry|unable)|I am unable)", said) else "completed"
+    return f"error (exit {task.get('exit')})"
+
+
 def tasks_table(out: str | Path) -> "pd.DataFrame":
-    """One row per task: exit code, wall time, calls, prompt and evaluated tokens, and what the
-    agent's own output said (turns, the context window it assumed)."""
+    """One row per task: exit code, wall time, calls, prompt and evaluated tokens, what the
+    agent's own output said (turns, the context window it assumed), and `agent_said`: how the
+    task ended in its own words (`agent_outcome`)."""
     import pandas as pd
     path = Path(out) / "tasks.jsonl"
-    return pd.DataFrame([json.loads(l) for l in path.read_text().splitlines()] if path.exists() else [])
+    df = pd.DataFrame([json.loads(l) for l in path.read_text().splitlines()] if path.exists() else [])
+    if len(df):
+        df["agent_said"] = [agent_outcome(r) for r in df.to_dict("records")]
+    return df
 
 
 def anatomy(out: str | Path) -> list[dict[str, Any]]:
