@@ -310,6 +310,23 @@ def test_doctor_grades_flip_with_the_evidence():
     assert [c for c in slow if "cold first call" in c.summary][0].status == "fail"
 
 
+def test_the_cold_prefill_forecast_follows_the_fitted_curve_not_one_rate():
+    """Issue 32 §2: one short probe's rate forecast 34 s where 80 s were measured; the rate falls
+    with length. Points from time = 0.05 + n/1000 + n²/1e7: the fit recovers the n² term."""
+    from infercourse.ops.prefill_probe import cold_forecast, curve_lengths
+    assert curve_lengths(8192) == [512, 1024, 2048] and curve_lengths(3000) == [250, 500, 1000]
+    pts = [(n, 0.05 + n / 1000 + n * n / 1e7) for n in (512, 1024, 2048)]
+    secs, how = cold_forecast(10_000, {"prefill_points": pts, "prefill_tok_per_s": 2048 / pts[-1][1]})
+    assert abs(secs - 20.05) < 0.1 and "extrapolated" in how and "fitted to 3 cold probes" in how
+    one_rate, said = cold_forecast(10_000, {"prefill_tok_per_s": 2048 / pts[-1][1]})
+    assert one_rate < 0.7 * secs and "lower bound" in said
+    assert cold_forecast(10_000, {}) is None
+    slow = agent_doctor.grade_agent_route({**GOOD, "prefill_points": pts}, {**SHAPE, "prompt_tokens": 10_000},
+                                          timeout_s=30)
+    line = [c for c in slow if "cold first call" in c.summary][0]
+    assert line.status == "warn" and "about 20 s of prefill" in line.summary
+
+
 def test_doctor_fixes_follow_the_findings():
     checks = agent_doctor.grade_agent_route({**GOOD, "header_cached_tokens": 20}, SHAPE)
     env = json.loads(agent_doctor.fixes("claude-code", "http://127.0.0.1:8", GOOD, SHAPE, checks))["env"]
@@ -550,6 +567,20 @@ def test_amplification_counts_identical_resends_of_the_first_request(tmp_path, m
     flipped = rc.amplification_sentence(tab, "long", "short")      # the numbers the other way round
     assert "short timeout the agent sent its first request once (no retry)" in flipped
     assert "long one it sent 3 copies of its first request" in flipped
+
+
+def test_overlapping_copies_are_counted_once_from_the_task_counter(tmp_path, monkeypatch):
+    """Issue 33 §2: Codex's two copies overlapped, each call's /metrics delta held copy 1's
+    prefill, and the table said 2.0x where the server's log showed a 1-token second prefill.
+    A cut, overlapped copy has no count of its own: the task's counter (every call a copy) holds both."""
+    calls = pd.DataFrame({"task": ["codex"] * 2, "api": "openai-responses", "first_diff": ["first call", "identical"],
+                          "status": ["error", "ok"], "prompt_tokens": [None, 5968], "evaluated_tokens": [None, 1]})
+    monkeypatch.setattr(ra, "calls_table", lambda out: calls)
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"task": "codex", "exit": 0, "evaluated_tokens": 5969}) + "\n")
+    tab = ra.amplification(tmp_path)
+    assert tab.loc["codex", "server_evaluated"] == 5969 and round(tab.loc["codex", "amplification"], 3) == 1.0
+    calls.loc[0, "evaluated_tokens"] = 5968              # a copy the server counted itself: the per-call sum
+    assert ra.amplification(tmp_path).loc["codex", "server_evaluated"] == 5969
 
 
 def test_amplification_sizes_a_request_no_copy_answered(tmp_path, monkeypatch):

@@ -194,8 +194,6 @@ def _anthropic_body(req) -> dict[str, Any]:
     return eng.body(req)
 
 
-
-
 def evaluated_by_task(out: str | Path) -> pd.DataFrame:
     """Per task: its first model call (prompt, cached and evaluated tokens, TTFT, the first part
     that differed from the call before it), then the task's totals: calls, answered calls and
@@ -215,10 +213,6 @@ def evaluated_by_task(out: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("task")
 
 
-
-
-
-
 def clip_view(out: str | Path) -> pd.DataFrame:
     """Each call of the clipped-answer task: what it asked for, what came back, and why it stopped."""
     cols = ["task", "status", "max_tokens", "prompt_tokens", "output_tokens", "stop_reason", "first_diff", "error"]
@@ -229,14 +223,15 @@ def clip_view(out: str | Path) -> pd.DataFrame:
 def amplification(out: str | Path) -> pd.DataFrame:
     """Per task: how many copies of its first request the agent sent (the first call and the
     identical re-sends right after it: retries), how many were answered, one copy's prompt
-    tokens, what the server evaluated over those copies (its /metrics counter, call by call),
-    and their ratio, the retry amplification (1: each prompt token evaluated once).
+    tokens, what the server evaluated over those copies (its own per-request count; for copies
+    that overlapped and were cut, the task's /metrics counter), and their ratio, the retry amplification (1: each prompt token evaluated once).
 
     One copy's size is the server's usage where a copy was answered (`size_from` "server
     usage"); where none was (the client gave up on every one), the size the server's refusal
     named ("server refusal"), else the first copy's parts counted from its captured body by the
     served model's tokenizer ("request body": the template's few tokens per part left out)."""
-    gen = _model_calls(out)
+    gen, tasks = _model_calls(out), tasks_table(out)
+    task_evaluated = dict(zip(tasks["task"], tasks["evaluated_tokens"])) if "evaluated_tokens" in tasks else {}
     rows = []
     for task, c in gen.groupby("task", sort=False):
         n = 1
@@ -244,7 +239,10 @@ def amplification(out: str | Path) -> pd.DataFrame:
             n += 1
         copies = c.iloc[:n]
         size, source = _copy_size(out, copies)
-        evaluated = copies["evaluated_tokens"].sum(min_count=1)
+        # copies that overlapped have no per-call count of their own: the task's counter holds them
+        # all when the task is nothing but copies; else the per-call counts (NaN where one is missing)
+        evaluated = (task_evaluated.get(task, float("nan")) if n == len(c) and copies["evaluated_tokens"].isna().any()
+                     else copies["evaluated_tokens"].sum(min_count=len(copies)))
         rows.append({"task": task, "copies": n, "answered": int((copies["status"] == "ok").sum()),
                      "request_tokens": size, "size_from": source, "server_evaluated": evaluated,
                      "amplification": evaluated / size if size > 0 else float("nan"), "later_calls": len(c) - n})
@@ -262,9 +260,6 @@ def _copy_size(out: str | Path, copies: pd.DataFrame) -> tuple[float, str | None
     first = copies["request_id"].iloc[0] if "request_id" in copies else None
     body = [sum(p["tokens"] for p in a["parts"]) for a in anatomy(out) if a["request_id"] == first]
     return (float(body[0]), "request body") if body else (float("nan"), None)
-
-
-
 
 
 def session_pastes(turns: int, paste_words: int) -> list[str]:
@@ -312,22 +307,6 @@ def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_outp
 def told_env(plan: dict[str, int]) -> dict[str, str]:
     """The setting that gives the pinned Claude Code the server's window (see `agents`)."""
     return {agents.CLAUDE_WINDOW_ENV: str(plan["window"])}
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def doctor_on_fresh_server(ctx: int, capture: str | Path, *, threads: int = 1, model: str | None = None,

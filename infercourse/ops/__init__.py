@@ -29,6 +29,7 @@ soaking, and finding the layer at fault.
 | `agent_session` | `infercourse agent proxy` / `agent report`: a recorder in front of the learner's own server |
 | `recorder_cost` | what the recorder costs: TTFT and inter-token gaps through it against direct |
 | `agent_doctor` | `doctor agent --agent claude-code` (or `codex`): is this server ready for a real agent's first call |
+| `prefill_probe` | a cold prefill forecast for an agent's first request: three cold probes on the server, the a + b·n + c·n² fit, the extrapolation said |
 | `agent_budget` | the pinned Claude Code's window arithmetic: window, answer cap and compaction line sized together, printed as arithmetic |
 | `chat_doctor` | `doctor agent --agent chat`: the same for an agent over chat completions, side calls included |
 | `side_calls`  | side calls against the prefix cache: the same agent tasks on one server per fix (`--cache-ram`, `-np 2`, slot save) |

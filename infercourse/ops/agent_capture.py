@@ -10,7 +10,7 @@ answer back chunk by chunk as it arrives, and records per call:
 | path, api, model, status, error | the request line and body; the status; an error body or an SSE `error` event |
 | ttft_s, e2e_s | the proxy's clock: request received -> first output event -> end (loopback: what the agent sees, less a copy) |
 | prompt / cached / output tokens | the server's own usage block (Anthropic `usage`, Responses `usage`, chat `usage`) |
-| evaluated_tokens | the server's `/metrics` counter of prompt tokens it evaluated, read before and after the call (`read_metrics`, the lab); else its own per-request `timings.prompt_n` |
+| evaluated_tokens | the server's own per-request `timings.prompt_n`; for a call cut before its timings, the `/metrics` counter read around it (`read_metrics`, the lab), unless another call overlapped it |
 | server_prompt_n, server_cache_n, prefill_ms | llama-server's `timings` of this request: tokens evaluated, reused, and its prefill time |
 | stop_reason | `stop_reason`, the Responses status, or `finish_reason` |
 
@@ -334,8 +334,8 @@ class RecordingProxy:
                 "max_tokens": next((doc[k] for k in ("max_tokens", "max_output_tokens", "max_completion_tokens")
                                     if doc.get(k)), None) if isinstance(doc, dict) else None,
                 "body_bytes": len(body), "stop_reason": watch.stop_reason, "overlapped": overlapped,
-                # the /metrics delta where it was read (the lab), else the server's own count for this call
-                "evaluated_tokens": metered if metered is not None else tim.get("prompt_n"),
+                # its own count; the /metrics delta only for a cut call overlapping none (overlaps double-count)
+                "evaluated_tokens": tim["prompt_n"] if tim.get("prompt_n") is not None else None if overlapped else metered,
                 "server_prompt_n": tim.get("prompt_n"), "server_cache_n": tim.get("cache_n"),
                 "prefill_ms": tim.get("prompt_ms"), "output_events": len(watch.event_t)}
         tr = RequestTrace(request_id=rid, scheduled_t=t0, sent_t=t0, chunk_t=list(watch.event_t),

@@ -12,7 +12,7 @@ will meet, and each grade says which layer fails and what fixes it:
 | system message | a `role: "system"` message inside `messages` is accepted | API |
 | header | two calls that differ only in the billing header's suffix: cached tokens of the second | KV cache |
 | model IDs | the agent's main and small/fast model IDs each get an answer | API |
-| cold prefill | prefill rate from a short uncached probe x the first prompt, against the agent's timeout | API |
+| cold prefill | the first prompt on a prefill curve fitted to three cold probes (`ops.prefill_probe`), against the agent's timeout | API |
 
 The first prompt's size comes from a capture of the real agent (`--capture DIR`, a lab run's
 folder) or from `data/agent_shapes.json` (numbers measured from the pinned versions; no text).
@@ -36,6 +36,7 @@ from infercourse.core.errors import InferCourseError
 from infercourse.measure.workloads import DATA_DIR
 from infercourse.ops.agent_budget import budget_line, claude_budget
 from infercourse.ops.layers import LayerCheck
+from infercourse.ops.prefill_probe import cold_forecast, curve_lengths, probe_curve
 
 __all__ = ["SHAPES", "agent_shape", "shape_from_capture", "probe_agent_route", "grade_agent_route", "fixes",
            "server_fix", "window_needed", "report", "doctor_agent_main", "DEFAULT_TIMEOUT_S"]
@@ -164,6 +165,7 @@ def probe_agent_route(url: str, agent: str = "claude-code", *, models: tuple[str
     ev["header_prompt_tokens"], ev["header_cached_tokens"] = _usage(second)
     _, third = _messages(url, _header_body(main, "bbb", static), timeout_s)    # control: identical
     ev["control_prompt_tokens"], ev["control_cached_tokens"] = _usage(third)
+    ev["prefill_points"] = probe_curve(url, main, curve_lengths(ev["n_ctx_slot"]), timeout_s)   # the rate falls with n
     return ev
 
 
@@ -220,12 +222,11 @@ def grade_agent_route(ev: dict[str, Any], shape: dict[str, Any], *, timeout_s: f
         out.append(_check("API", "ok" if ok else "fail", f"model ID {mid!r} " + (
             "answers" if ok else f"refused (HTTP {r['status']}: {r['error']})"), model=mid, http_status=r["status"],
             error=r["error"]))
-    rate, limit = ev.get("prefill_tok_per_s"), timeout_s or DEFAULT_TIMEOUT_S.get(ev.get("agent"), 600.0)
-    if rate:
-        cold = first / rate
+    limit, forecast = timeout_s or DEFAULT_TIMEOUT_S.get(ev.get("agent"), 600.0), cold_forecast(first, ev)
+    if forecast:
+        cold, how = forecast
         out.append(_check("API", "ok" if cold < 0.5 * limit else ("warn" if cold < limit else "fail"),
-                          f"a cold first call needs about {cold:.0f} s of prefill ({first} tokens at "
-                          f"{rate:.0f} tok/s, an optimistic bound: prefill slows as the context grows) against the "
+                          f"a cold first call needs about {cold:.0f} s of prefill ({how}) against the "
                           f"agent's {limit:.0f} s timeout", cold_prefill_s=cold, timeout_s=limit))
     return out
 

@@ -1,0 +1,65 @@
+"""A cold prefill forecast for an agent's first request, from a curve measured on the server.
+
+`doctor agent` used to divide the first request by one short probe's prefill rate ("an
+optimistic bound"): 34 s forecast where notebook 20 then measured 80 s for Claude Code's
+10,661 tokens, because the rate falls with length once attention's n² term counts
+(`measure.prefill_curve`). Here the doctor prefills three cold prompts of growing length
+(each new, so nothing is cached), reads the server's own prefill time for each
+(`timings.prompt_ms`, no HTTP in it), fits time = a + b·n + c·n² and forecasts the agent's
+first request from the fit, saying when that is an extrapolation past the longest probe.
+
+Where the probes cannot be made (no timings: a server other than llama-server), the check
+falls back to the short probe's rate and says it is a lower bound. Pure except
+`probe_curve`, which sends the three requests (loopback, by the doctor's own guard).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+
+from infercourse.measure.prefill_curve import fit_prefill, predict_prefill_s
+
+__all__ = ["curve_lengths", "probe_curve", "cold_forecast"]
+
+_TEXT = "The quick brown fox reads the build log, edits one file and runs the tests again. "
+
+
+def curve_lengths(n_ctx: int | None, longest: int = 2048) -> list[int]:
+    """Three probe lengths, each twice the one before, the longest at most a third of the
+    slot's window and `longest` (a few seconds on a small model)."""
+    top = min(longest, (n_ctx or 3 * longest) // 3)
+    return [max(16, top // 4), max(32, top // 2), max(64, top)]
+
+
+def probe_curve(url: str, model: str, lengths: list[int], timeout_s: float = 300.0) -> list[tuple[int, float]]:
+    """(prompt tokens, the server's prefill seconds) of one cold /v1/chat/completions call per
+    length (a new random head each time: nothing cached); calls without timings are left out."""
+    points = []
+    for n in lengths:
+        text = uuid.uuid4().hex + " " + _TEXT * max(1, n // 18)
+        r = httpx.post(url.rstrip("/") + "/v1/chat/completions", timeout=timeout_s,
+                       json={"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": text}]})
+        t = (r.json().get("timings") or {}) if r.status_code == 200 else {}
+        if t.get("prompt_n") and t.get("prompt_ms"):
+            points.append((int(t["prompt_n"]), float(t["prompt_ms"]) / 1e3))
+    return points
+
+
+def cold_forecast(first: int, ev: dict[str, Any]) -> tuple[float, str] | None:
+    """(seconds, how it was forecast) of a cold prefill of `first` tokens: from the fitted
+    curve when three probes were measured (`ev["prefill_points"]`), else from the short
+    probe's rate (`ev["prefill_tok_per_s"]`, a lower bound: the rate falls with length);
+    None without either."""
+    points = ev.get("prefill_points") or []
+    if len(points) >= 3:
+        fit = fit_prefill([n for n, _ in points], [s for _, s in points])
+        p = predict_prefill_s(first, fit)
+        return p.seconds, (f"from a + b·n + c·n² fitted to {len(points)} cold probes on this server "
+                           f"({p.tok_per_s:.0f} tok/s at that length; {p.note})")
+    rate = ev.get("prefill_tok_per_s")
+    if rate:
+        return first / rate, (f"{first} tokens at the short probe's {rate:.0f} tok/s: a lower bound, the rate "
+                              "falls as the prompt grows")
+    return None
