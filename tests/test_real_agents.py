@@ -318,6 +318,9 @@ def test_the_cold_prefill_forecast_follows_the_fitted_curve_not_one_rate():
     pts = [(n, 0.05 + n / 1000 + n * n / 1e7) for n in (512, 1024, 2048)]
     secs, how = cold_forecast(10_000, {"prefill_points": pts, "prefill_tok_per_s": 2048 / pts[-1][1]})
     assert abs(secs - 20.05) < 0.1 and "extrapolated" in how and "fitted to 3 cold probes" in how
+    assert re.search(r"at the longest probe's own rate it would be 12 s", how)      # 10,000 x 2.5 s / 2,048
+    near, said_near = cold_forecast(3000, {"prefill_points": pts})
+    assert "longest probe's own rate" not in said_near                               # 1.5x the longest: the fit alone
     one_rate, said = cold_forecast(10_000, {"prefill_tok_per_s": 2048 / pts[-1][1]})
     assert one_rate < 0.7 * secs and "lower bound" in said
     assert cold_forecast(10_000, {}) is None
@@ -538,6 +541,9 @@ def test_each_task_ends_in_the_agents_own_words():
         "api_error: stream disconnected"
     assert agent_outcome({"exit": 0, "codex_last_event": "turn.completed", "result_preview": ""}) == "completed"
     assert agent_outcome({"exit": "timeout"}) == "timeout" and agent_outcome({"exit": 3}) == "error (exit 3)"
+    thrash = {"exit": 1, "is_error": True, "subtype": "success", "terminal_reason": "rapid_refill_breaker",
+              "result_preview": "Autocompact is thrashing: the context refilled to the limit within 3 turns"}
+    assert agent_outcome(thrash).startswith("rapid_refill_breaker: Autocompact is thrashing")
 
 
 def test_the_compaction_sentence_reports_each_turns_end_in_the_agents_words(monkeypatch):

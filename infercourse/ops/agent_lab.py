@@ -216,8 +216,9 @@ def agent_outcome(task: dict[str, Any]) -> str:
     """How a task ended in the agent's own words, from its own result (never from the server's
     side): "completed"; "api_error: ..." (the agent reports an API error: a refused call, or an
     answer cut at its output cap, which Claude Code treats as an error); "prompt_too_long" (it
-    refused to send, or compaction failed: `terminal_reason` blocking_limit); "refused" (it
-    answered, declining); "timeout" (the lab's task bound, not the agent's); else "error (exit N)".
+    refused to send, or compaction failed: `terminal_reason` blocking_limit); another reason the
+    agent names with its words (e.g. "rapid_refill_breaker: Autocompact is thrashing..."); "refused"
+    (it answered, declining); "timeout" (the lab's task bound, not the agent's); else "error (exit N)".
 
     Args:
         task: one row of `tasks_table` (exit, is_error, subtype, terminal_reason, result_preview,
@@ -232,6 +233,9 @@ def agent_outcome(task: dict[str, Any]) -> str:
     if codex in ("turn.failed", "error") or (task.get("is_error") and "API Error" in said):
         why = task.get("codex_error") if codex else said
         return "api_error: " + " ".join(str(why or "").split())[:90]
+    reason = task.get("terminal_reason")
+    if task.get("is_error") and reason and reason not in ("completed", "success", "end_turn"):
+        return f"{reason}: " + " ".join(said.split())[:90]     # e.g. rapid_refill_breaker: compaction thrashing
     if codex == "turn.completed" or (task.get("subtype") == "success" and not task.get("is_error")):
         return "refused" if re.match(r"\s*(I can(no|')t|I'm (sorry|unable)|I am unable)", said) else "completed"
     return f"error (exit {task.get('exit')})"

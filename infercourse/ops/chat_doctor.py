@@ -13,7 +13,7 @@ every task prefills the main prompt again. Each check asks the server itself:
 | side calls | main, main again (control), side, main, side, main: tokens the server evaluated per call, from its own `timings.prompt_n` (per request: right even when calls overlap, unlike `/metrics` deltas) | KV cache |
 | slot save/restore | main, save slot 0, side, restore, main (only where `--slot-save-path` is set) | KV cache |
 | prefix across tasks | the capture's first main call of each task against the one before with the same system prompt | KV cache |
-| cold prefill | prefill rate of the probe's cold main call x the first request, against the agent's timeout | API |
+| cold prefill | the first request on a prefill curve fitted to three cold probes (`ops.prefill_probe`), against the agent's timeout | API |
 
 The agent's shape (first request, its side calls, where a new task differs) comes from a
 capture (`--capture DIR`: a lab run or a recorded session, `chat_shape`) or from
@@ -38,6 +38,7 @@ import httpx
 from infercourse.core.errors import InferCourseError
 from infercourse.measure.workloads import DATA_DIR
 from infercourse.ops.layers import LayerCheck
+from infercourse.ops.prefill_probe import cold_forecast, curve_lengths, probe_curve
 
 __all__ = ["CHAT_SHAPES", "chat_shape", "shape_entry", "probe_chat_route", "grade_chat_route", "chat_fixes", "chat_report",
            "evicts", "kv_mib", "doctor_on_fresh_server"]
@@ -153,6 +154,8 @@ def probe_chat_route(url: str, *, probe_tokens: int = 512, side_tokens: int = 12
         cold["prompt_tokens"] / cold["wall_s"] if cold["prompt_tokens"] else None)
     ev["decode_tok_per_s"] = _chat(url, main, "task one", max_tokens=16, timeout=timeout_s,
                                    ignore_eos=True)["decode_tok_per_s"]
+    ev["prefill_points"] = probe_curve(url, (ev["served_models"] or ["local-model"])[0],
+                                       curve_lengths(ev["n_ctx_slot"]), timeout_s)   # the rate falls with n
     ev["save_restore"] = None
     if ev.get("total_slots") == 1:
         name = f"infercourse-doctor-{tag}.bin"
@@ -246,17 +249,15 @@ def grade_chat_route(ev: dict[str, Any], shape: dict[str, Any], *, timeout_s: fl
         out.append(_check("KV cache", "ok" if stable else "fail", f"a new task's main call first differs at "
                           f"{across['first_diff']}: " + ("the prefix before the task's words is reused" if stable else
                                                          "a per-task change before the messages busts the cache")))
-    prefill, limit = ev.get("prefill_tok_per_s"), timeout_s or shape.get("timeout_s")
-    if prefill and not limit:
-        cold = int(first["prompt_tokens"]) / prefill
-        out.append(_check("API", "ok", f"a cold first call needs about {cold:.0f} s of prefill; this agent's timeout "
-                          f"does not cover a streamed prefill ({shape.get('timeout_note') or 'its spec names none'})",
-                          cold_prefill_s=cold))
-    elif prefill:
-        cold = int(first["prompt_tokens"]) / prefill
+    forecast, limit = cold_forecast(int(first["prompt_tokens"]), ev), timeout_s or shape.get("timeout_s")
+    if forecast and not limit:
+        out.append(_check("API", "ok", f"a cold first call needs about {forecast[0]:.0f} s of prefill ({forecast[1]}); "
+                          "this agent's timeout does not cover a streamed prefill "
+                          f"({shape.get('timeout_note') or 'its spec names none'})", cold_prefill_s=forecast[0]))
+    elif forecast:
+        cold = forecast[0]
         out.append(_check("API", "ok" if cold < 0.5 * limit else ("warn" if cold < limit else "fail"),
-                          f"a cold first call needs about {cold:.0f} s of prefill ({first['prompt_tokens']} tokens at "
-                          f"{prefill:.0f} tok/s, optimistic: prefill slows as the context grows) against the agent's "
+                          f"a cold first call needs about {cold:.0f} s of prefill ({forecast[1]}) against the agent's "
                           f"{limit:.0f} s timeout", cold_prefill_s=cold, timeout_s=limit))
     return out
 

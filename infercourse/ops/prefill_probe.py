@@ -56,8 +56,11 @@ def cold_forecast(first: int, ev: dict[str, Any]) -> tuple[float, str] | None:
     if len(points) >= 3:
         fit = fit_prefill([n for n, _ in points], [s for _, s in points])
         p = predict_prefill_s(first, fit)
-        return p.seconds, (f"from a + b·n + c·n² fitted to {len(points)} cold probes on this server "
-                           f"({p.tok_per_s:.0f} tok/s at that length; {p.note})")
+        how = (f"from a + b·n + c·n² fitted to {len(points)} cold probes on this server "
+               f"({p.tok_per_s:.0f} tok/s at that length; {p.note})")
+        if first > 2 * fit.n_max:   # far past the probes (a small window): the longest probe's rate as the other end
+            how += f"; at the longest probe's own rate it would be {first * fit.time_s(fit.n_max) / fit.n_max:.0f} s"
+        return p.seconds, how
     rate = ev.get("prefill_tok_per_s")
     if rate:
         return first / rate, (f"{first} tokens at the short probe's {rate:.0f} tok/s: a lower bound, the rate "
