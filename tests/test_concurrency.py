@@ -122,8 +122,8 @@ def test_np_sweep_obeys_littles_law(tmp_path):
 def test_np_sweep_repeats_with_an_aa_floor(tmp_path):
     wl = cc.fixed_workload(32, 4, 2)
     table, runs = cc.np_sweep(wl, [1, 2], requests_per_level=2, threads=1, ctx_per_slot=96, repeats=2)
-    assert len(runs) == 4 and set(table["verdict"]) <= {"reference", "within noise", "np2 more tok/s",
-                                                         "np1 more tok/s"}
+    # two blocks of A, its A/A rerun and B give 3^2 relabellings: p >= 1/9, never a verdict
+    assert len(runs) == 4 and set(table["verdict"]) == {"reference", "too few pairs"}
     assert table.attrs["noise_floor"] >= 0 and "A/A" in table.attrs["noise_floor_text"]
     assert table.loc[1, "gain"] == 1.0 and table.loc[2, "gain_lo"] <= table.loc[2, "gain"] <= table.loc[2, "gain_hi"]
 

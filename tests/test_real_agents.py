@@ -827,3 +827,35 @@ def test_an_exercise_rerun_gets_a_fresh_lab_folder(tmp_path):
     (tmp_path / "tools-1").mkdir()
     (tmp_path / "tools-2").mkdir()
     assert ra._unused(tmp_path, "tools") == "tools-3" and ra._unused(tmp_path, "rerun") == "rerun-1"
+
+
+def _replay(evaluated, rewrites, prompt=3000):
+    return pd.DataFrame({"request_id": range(len(evaluated)), "task": "t", "rewrote_history": rewrites, "status": 200,
+                         "prompt_tokens": prompt, "reused": [prompt - e for e in evaluated], "evaluated": evaluated,
+                         "seconds": [e / 1000 for e in evaluated]})
+
+
+def test_rewrite_sentence_flips_with_what_each_family_paid():
+    """Issue 34 §3: the told session replayed on both families; where a rewrite's change lies past
+    the sliding window, Gemma 3 re-evaluates the whole prompt and --swa-full does not."""
+    flags = [False, False, True, False, True]
+    t = rs.rewrite_table({"full attention": _replay([3000, 100, 400, 90, 500], flags),
+                          "sliding window": _replay([3000, 100, 3000, 90, 3000], flags),
+                          "--swa-full": _replay([3000, 100, 400, 90, 500], flags)})
+    assert list(t["rewrites"]) == [2, 2, 2] and t.loc["sliding window", "evaluated_per_rewrite"] == 3000
+    assert t.loc["full attention", "evaluated_per_other_call"] == 95        # the cold first call left out
+    s = rc.rewrite_sentence(t)
+    assert re.search(r"\*\*sliding window\*\*: at the 2 call\(s\) that rewrote the history it evaluated a median of "
+                     r"3,000 of 3,000 prompt tokens \(100%, 6\.7× full attention's\)", s)
+    assert re.search(r"\*\*--swa-full\*\*: [^*]*450 of 3,000 prompt tokens \(15%, 1\.0× full attention's\)", s)
+    none = rs.rewrite_table({"full attention": _replay([3000, 100], [False, False])})
+    assert "no call of the 2 replayed rewrote the history" in rc.rewrite_sentence(none)
+
+
+def test_a_lab_cell_run_again_writes_a_new_folder(tmp_path, monkeypatch):
+    """Issue 33 §4: rerunning 20's exercise 2 raised FileExistsError (results are append-only)."""
+    monkeypatch.setattr(ra, "run_lab", lambda spec: Path(spec.out))
+    first = ra.lab(tmp_path, "clip", [], ctx=512)
+    first.mkdir()
+    again = ra.lab(tmp_path, "clip", [], ctx=512)
+    assert first.name == "clip" and again.name == "clip-1"

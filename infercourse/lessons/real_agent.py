@@ -94,7 +94,9 @@ def lab(root: str | Path, name: str, tasks: list[Task], *, ctx: int, threads: in
     """Run `tasks` on one fresh llama-server of `ctx` tokens (one slot) in the sealed lab;
     `extend`: serve `ctx` to the embedded model trained on 8,192 (YaRN); `n_predict`: the
     server's own output cap (`-n`; None: only the agent's max_tokens bounds an answer).
-    Returns the folder."""
+    Returns the folder: root/name, or name-1, name-2... when a cell is run again (results are
+    append-only, and a rerun must not fail on the folder its first run left)."""
+    name = name if not (Path(root) / name).exists() else _unused(root, name)   # a rerun: name-1, name-2...
     spec = LabSpec(str(Path(root) / name), tasks, ctx=ctx, threads=threads, model=model, n_predict=n_predict,
                    server_args=EXTEND_CONTEXT(ctx) if extend else [])
     return run_lab(spec)

@@ -14,7 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["cold_warm_sentence", "header_sentence", "amplification_sentence", "plan_sentence", "compaction_sentence"]
+__all__ = ["cold_warm_sentence", "header_sentence", "amplification_sentence", "plan_sentence", "compaction_sentence",
+           "rewrite_sentence"]
 
 
 def _fold(ratio: float) -> str:
@@ -158,3 +159,21 @@ def compaction_sentence(as_is: pd.DataFrame, told: pd.DataFrame, window: int) ->
         verdict = ("Told the window, the agent did not compact in this run"
                    + (" (it refused to send instead)" if t["not_sent"] else "") + ": no prompt drop to show.")
     return f"On a {window:,}-token server. {_session_clause('As is', a)}. {_session_clause('Told the window', t)}. {verdict}"
+
+
+def rewrite_sentence(table: pd.DataFrame) -> str:
+    """What each replay of the session re-evaluated at the calls that rewrote the history and
+    at the others (`real_agent_session.rewrite_table`; exact counts, no noise floor), and how
+    many times the first replay's rewrite cost each other replay paid."""
+    out, base = [], table.iloc[0]
+    for label, r in table.iterrows():
+        if not r["rewrites"]:
+            out.append(f"**{label}**: no call of the {int(r['calls'])} replayed rewrote the history.")
+            continue
+        share = r["evaluated_per_rewrite"] / r["prompt_at_rewrites"] if r["prompt_at_rewrites"] else float("nan")
+        times = (f", {r['evaluated_per_rewrite'] / base['evaluated_per_rewrite']:.1f}× {table.index[0]}'s"
+                 if label != table.index[0] and base["evaluated_per_rewrite"] > 0 else "")
+        out.append(f"**{label}**: at the {int(r['rewrites'])} call(s) that rewrote the history it evaluated a median of "
+                   f"{r['evaluated_per_rewrite']:,.0f} of {r['prompt_at_rewrites']:,.0f} prompt tokens ({share:.0%}{times}); "
+                   f"at the other calls, {r['evaluated_per_other_call']:,.0f}.")
+    return " ".join(out)

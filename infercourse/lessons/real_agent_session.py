@@ -10,16 +10,30 @@ refusals (`ops.agent_lab.refused_size`), and what the agent's own output said pe
 
 `session_view(out)` is one row per call of a lab run's growing session (and one per turn
 that sent none); `real_agent_claims.compaction_sentence` words two of them.
+
+`replay_session` sends a captured session's own request bodies again, in order, to a fresh
+server of another model (each asking for one token): what that server re-evaluates at each
+call, read from its per-request timings. On a sliding-window model (Gemma 3, 512-token
+window) a prompt that changes *inside* the history, past the window, is evaluated whole
+again unless the server keeps the full cache (`--swa-full`); a full-attention model re-reads
+only what follows the change. `rewrite_table` sets the families and settings side by side
+at the calls that rewrote the history and at the others. The bodies never leave the results
+folder; only the counts are shown.
 """
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pandas as pd
 
+from infercourse.ops.agent_stream import usage_tokens
 from infercourse.ops.agent_lab import anatomy, calls_table, refused_size, tasks_table
 
-__all__ = ["KEPT_SHARE", "session_view"]
+__all__ = ["KEPT_SHARE", "session_view", "replay_session", "rewrite_table"]
 
 KEPT_SHARE = 0.5   # a first message that keeps less of the one before than this was replaced, not grown
 
@@ -82,3 +96,62 @@ def session_view(out: str | Path) -> pd.DataFrame:
                                                           "stop_reason", "first_diff", "message_tokens",
                                                           "rewrote_history", "refused_by")}})
     return pd.DataFrame(rows)
+
+
+def replay_session(out: str | Path, *, model: str | Path | None = None, ctx: int = 8192, threads: int | None = 1,
+                   swa_full: bool = False, template: str | Path | None = None, max_calls: int | None = None,
+                   server_args: list[str] | tuple[str, ...] = (), timeout_s: float = 1800.0) -> pd.DataFrame:
+    """The captured session's /v1/messages bodies sent again in order (max_tokens 1, not
+    streamed) to one fresh llama-server (one slot, no host prompt cache) of `model`; per call:
+    prompt tokens, tokens reused and evaluated (the server's own usage), the call's seconds,
+    and whether the call rewrote the history (as `session_view` judges it).
+
+    Args:
+        out: a lab run's folder (its calls, anatomy and bodies).
+        model: the GGUF to serve (None: the embedded model); ctx: its window; threads: -t.
+        swa_full: llama-server --swa-full (a sliding-window model keeps its whole cache).
+        template: a chat template file (None: the model's own).
+        max_calls: replay only the first this many calls (a long session on a slow machine).
+        server_args: more llama-server flags (the YaRN flags where `ctx` passes the trained context).
+    """
+    from infercourse.servers import LlamaServer
+    calls = calls_table(out)
+    answer = (calls["api"] == "anthropic") & (calls["path"].str.split("?").str[0] == "/v1/messages")
+    gen = _rewrites(calls[answer].copy(), out)     # the calls that asked for an answer, not count_tokens
+    gen = gen.head(max_calls) if max_calls else gen
+    extra = (["--swa-full"] if swa_full else []) + (["--chat-template-file", str(template)] if template else []) \
+        + list(server_args)
+    rows: list[dict[str, Any]] = []
+    with LlamaServer(model, n_parallel=1, ctx_size=ctx, threads=threads, jinja=True, cache_ram_mib=0,
+                     extra_args=extra) as srv:
+        for r in gen.itertuples():
+            path = Path(out) / "bodies" / f"{r.request_id:03d}.json"
+            if not path.exists():
+                continue
+            body = {**json.loads(path.read_text()), "max_tokens": 1, "stream": False}
+            t0 = time.perf_counter()
+            resp = httpx.post(srv.url + "/v1/messages", json=body, timeout=timeout_s,
+                              headers={"x-api-key": "dummy", "anthropic-version": "2023-06-01"})
+            wall = time.perf_counter() - t0           # one output token: the prefill, nearly all of it
+            u = usage_tokens(resp.json().get("usage") or {}) if resp.status_code == 200 else {}
+            prompt, reused = u.get("prompt_tokens"), u.get("cached_tokens") or 0
+            rows.append({"request_id": r.request_id, "task": r.task, "rewrote_history": bool(r.rewrote_history),
+                         "status": resp.status_code, "prompt_tokens": prompt, "reused": reused if prompt else None,
+                         "evaluated": prompt - reused if prompt else None, "seconds": wall})
+    return pd.DataFrame(rows)
+
+
+def rewrite_table(replays: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per replay (family and setting): calls, the tokens evaluated again at the calls that
+    rewrote the history (median and in all) and at the others (median: what an appended turn
+    costs), and the calls' seconds in all (one output token each: nearly all prefill)."""
+    rows = []
+    for label, df in replays.items():
+        ok = df[df["status"] == 200]
+        rw, rest = ok[ok["rewrote_history"]], ok[~ok["rewrote_history"]].iloc[1:]   # the first call is cold
+        rows.append({"replay": label, "calls": len(ok), "rewrites": len(rw),
+                     "evaluated_per_rewrite": rw["evaluated"].median() if len(rw) else float("nan"),
+                     "prompt_at_rewrites": rw["prompt_tokens"].median() if len(rw) else float("nan"),
+                     "evaluated_per_other_call": rest["evaluated"].median() if len(rest) else float("nan"),
+                     "evaluated_total": ok["evaluated"].sum(), "seconds_total": ok["seconds"].sum()})
+    return pd.DataFrame(rows).set_index("replay")
