@@ -199,3 +199,34 @@ def test_a_session_folder_is_written_once(tmp_path):
             pass
         with pytest.raises(FileExistsError):
             agent_session.SessionRecorder(src.url, tmp_path / "s").start()
+
+
+def test_back_to_back_calls_share_one_connection_upstream(monkeypatch):
+    """A client that sends its next call the moment the last one ends must find the recorder's
+    connection already pooled: a second connection can be dropped unanswered by a server with few
+    HTTP threads (llama-server on 2 cores: 'RemoteDisconnected' in 20's recorder run)."""
+    import socketserver
+    conns = []
+
+    class KeepAlive(socketserver.StreamRequestHandler):
+        def handle(self):
+            conns.append(1)
+            while (line := self.rfile.readline()) not in (b"", b"\r\n"):
+                while self.rfile.readline() not in (b"\r\n", b""):
+                    pass
+                self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                self.wfile.flush()
+
+    release = RecordingProxy._release
+    def slow_release(self, conn, reusable):   # a busy machine: the pooling thread loses the CPU for a while
+        time.sleep(0.2)
+        return release(self, conn, reusable)
+    monkeypatch.setattr(RecordingProxy, "_release", slow_release)
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), KeepAlive) as srv:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        with RecordingProxy(f"http://127.0.0.1:{srv.server_address[1]}", read_metrics=False) as px:
+            # a new client connection per call (as the course's engines send): its handler thread
+            # races the last call's, which must have pooled the upstream connection already
+            got = [httpx.get(px.url + f"/v1/models?n={i}").status_code for i in range(5)]
+        srv.shutdown()
+    assert got == [200] * 5 and len(conns) == 1

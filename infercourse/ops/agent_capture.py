@@ -48,8 +48,7 @@ from infercourse.ops.agent_stream import GENERATING_APIS, SSEWatcher, api_of, er
 from infercourse.ops.probes import parse_metrics
 from infercourse.servers.process import HOST
 
-__all__ = ["RecordingProxy", "SSEWatcher", "api_of", "evaluated_count", "usage_tokens", "GENERATING_APIS",
-           "EVALUATED"]
+__all__ = ["RecordingProxy", "SSEWatcher", "api_of", "evaluated_count", "usage_tokens", "GENERATING_APIS", "EVALUATED"]
 
 EVALUATED = "llamacpp:prompt_tokens_total"   # llama-server: prompt tokens it evaluated (cache hits excluded)
 KEEP_IDLE_S = 2.0   # reuse a connection upstream idle for less than this (llama-server drops them at 5 s)
@@ -118,8 +117,7 @@ class RecordingProxy:
         self._lock, self._n, self._in_flight, self._open = threading.Lock(), 0, 0, 0
         self._pool: list[tuple[http.client.HTTPConnection, float]] = []   # idle connections upstream
         self._records: queue.SimpleQueue = queue.SimpleQueue()   # finished calls, recorded on their own thread
-        # the /metrics reads; calls go upstream on a new connection each (`_open_upstream`)
-        self._client = httpx.Client(timeout=httpx.Timeout(None, connect=10.0),
+        self._client = httpx.Client(timeout=httpx.Timeout(None, connect=10.0),   # the /metrics reads only
                                     limits=httpx.Limits(max_keepalive_connections=0))
         self._server: ThreadingHTTPServer | None = None
 
@@ -238,6 +236,8 @@ class RecordingProxy:
                 else:
                     whole += chunk
             r.close()                  # read whole (a sized body is not closed by its last read)
+            # pooled before the client hears the end: its next call, sent at once, must not open a second
+            conn = self._release(conn, not r.will_close)   # (llama-server's few HTTP threads drop it); None
             h.wfile.write(b"0\r\n\r\n")
             h.wfile.flush()
             watch.close(time.perf_counter())
@@ -251,8 +251,8 @@ class RecordingProxy:
         except (BrokenPipeError, ConnectionResetError) as e:
             cut = f"client went away: {type(e).__name__}"   # the agent hung up (its own timeout)
         finally:
-            if conn is not None:   # kept for the next call only after an answer read to its end
-                self._release(conn, status is not None and not cut and r.isclosed() and not r.will_close)
+            if conn is not None:   # a call that did not reach its end: the connection is not reused
+                conn.close()
         end = time.perf_counter()
         with self._lock:
             self._in_flight -= 1
@@ -262,13 +262,13 @@ class RecordingProxy:
                            before, after))
         return True
 
-    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+    def _connection(self, fresh: bool = False) -> tuple[http.client.HTTPConnection, bool]:
         """A connection upstream and whether it was used before: the last one released, if it
-        has been idle under `KEEP_IDLE_S`, else a new one. llama-server (cpp-httplib) closes a
-        connection idle for 5 s; a request sent on one it has just closed is lost."""
+        has been idle under `KEEP_IDLE_S` (and not `fresh`), else a new one. llama-server
+        (cpp-httplib) closes a connection idle for 5 s; a request sent on one it has just closed is lost."""
         with self._lock:
-            conn, idle = self._pool.pop() if self._pool else (None, 0.0)
-            stale, self._pool = self._pool, []
+            conn, idle = self._pool.pop() if self._pool and not fresh else (None, 0.0)
+            stale, self._pool = (self._pool, []) if not fresh else ([], self._pool)
         for c, _ in stale:
             c.close()
         if conn is not None and time.monotonic() - idle < KEEP_IDLE_S:
@@ -294,7 +294,7 @@ class RecordingProxy:
         server read the request: that one failure is retried once on a new connection."""
         u = self._up
         for attempt in range(2):
-            conn, reused = self._connection() if attempt == 0 else (self._connection()[0], False)
+            conn, reused = self._connection(fresh=attempt > 0)      # the retry: a new connection, never a kept one
             try:
                 conn.putrequest(method, u.path.rstrip("/") + path, skip_host=True, skip_accept_encoding=True)
                 conn.putheader("Host", u.netloc)

@@ -34,6 +34,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from infercourse.core.errors import InferCourseError
+
 __all__ = ["GOAL_MS", "RecorderCost", "recorder_process", "measure", "measure_on_llama", "compare", "recorder_sentence",
            "cost_table"]
 
@@ -107,6 +109,10 @@ def measure(url: str, *, repeats: int = 8, requests: int = 3, max_tokens: int = 
         def trial(arm: str):
             def run() -> float:
                 trs = [record(engines[arm], req) for _ in range(requests)]
+                bad = next((tr for tr in trs if ttft_s(tr) is None), None)
+                if bad is not None:   # a failed call has no TTFT: say where it failed, never a median of None
+                    raise InferCourseError(f"a request {'through the recorder' if arm == 'recorder' else 'direct'} "
+                                           f"to {url} failed: {bad.error or bad.status} (API layer)")
                 gaps = [g for tr in trs for g in itl_s(tr)]
                 seen[arm].append((statistics.median(gaps) if gaps else float("nan"),
                                   [len(tr.chunk_t) for tr in trs], [tr.text for tr in trs]))
