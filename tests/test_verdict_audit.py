@@ -129,12 +129,12 @@ def test_clock_verdicts_say_too_few_pairs():
 def test_a_p_at_its_floor_says_so():
     """Issue 33 §4: 21 quoted p = 0.037 as if the data had pushed it there; with 3 pairs of A, its
     A/A rerun and B it is 1/3^3, the smallest p those pairs can give, whatever the effect."""
-    from infercourse.lessons.capstone import p_words
+    from infercourse.measure import claims
+    p_words = claims.p_text
     a = np.array([1.0, 1.02, 0.99])
     floor = noise.noise_floor(a, a * 1.01)
     at_floor = noise.compare(a, a * 2, floor, labels=("x", "y"))
     assert at_floor.p == pytest.approx(1 / 27) and re.search(r"\bthe smallest p 3 pairs can give\b", p_words(at_floor))
-    from infercourse.measure import claims
     assert "(p = 0.037, the smallest p 3 pairs can give; at most 0.05 false positives)" in claims.verdict_sentence(at_floor)
     mixed = noise.compare(np.r_[a, 1.0, 1.01], np.r_[a * 2, 0.9, 1.3], floor, labels=("x", "y"))
     assert mixed.p > 1 / 3 ** 5 and "smallest" not in p_words(mixed)

@@ -28,7 +28,7 @@ from infercourse.ops.faults import inject
 # capstone.routes and capstone._route_d)
 from infercourse.ops.guide_routes import Route, _route_d, replay, routes  # noqa: F401
 
-__all__ = ["Route", "routes", "replay", "summarize", "floors", "route_comparison", "p_words", "fastest", "changed_most",
+__all__ = ["Route", "routes", "replay", "summarize", "floors", "route_comparison", "fastest", "changed_most",
            "delay_trial", "predicted_e2e", "delay_text", "delay_exercise", "ratio_exercise", "soak_recipe"]
 
 
@@ -73,12 +73,6 @@ def route_comparison(baseline: pd.DataFrame, again: pd.DataFrame, x: str, y: str
     return cx, cy
 
 
-def p_words(c: "noise.Comparison") -> str:
-    """A comparison's p, and when it is the smallest its pairs can give, that it is
-    (`claims.p_text`: 3 pairs of A, its A/A rerun and B cannot give less than 1/27 = 0.037)."""
-    return claims.p_text(c)
-
-
 def fastest(baseline: pd.DataFrame, again: pd.DataFrame, metric: str = "ttft_s") -> dict[str, Any]:
     """Which route answered fastest, if this run can tell: a route counts only when its
     `metric` beat every other route's beyond the A/A noise of both routes compared
@@ -119,7 +113,7 @@ def fastest(baseline: pd.DataFrame, again: pd.DataFrame, metric: str = "ttft_s")
             lines.append(f"- route {y}: no call answered on both routes in both replays; not compared.")
             continue
         lines.append(f"- {claims.verdict_sentence(cx, name)} With route {y}'s own A/A rerun as the reference: "
-                     f"{cy.said} ({p_words(cy)}).")
+                     f"{cy.said} ({claims.p_text(cy)}).")
     if winner:
         lines.append(f"**Route {winner} answered fastest**: its {name} beat every other route's beyond the A/A "
                      "noise of both routes compared.")

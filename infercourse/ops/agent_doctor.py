@@ -34,7 +34,7 @@ import httpx
 
 from infercourse.core.errors import InferCourseError
 from infercourse.measure.workloads import DATA_DIR
-from infercourse.ops.agent_budget import budget_line, claude_budget
+from infercourse.ops.agent_budget import CLAUDE_WINDOW_ENV, budget_line, claude_budget
 from infercourse.ops.layers import LayerCheck
 from infercourse.ops.prefill_probe import cold_forecast, curve_lengths, probe_curve
 
@@ -232,9 +232,8 @@ def grade_agent_route(ev: dict[str, Any], shape: dict[str, Any], *, timeout_s: f
 
 
 def window_needed(agent: str, shape: dict[str, Any], min_output: int = 1024) -> int:
-    """The slot window to ask of the server, in llama-server's steps of 256: the first request
-    and `min_output` for an answer; for Claude Code `agents.claude_budget`'s window (an answer
-    cap it can work with and room to grow under its compaction line, or it compacts at every call)."""
+    """The slot window to ask of the server (steps of 256): the first request and `min_output`;
+    for Claude Code `claude_budget`'s (a usable answer cap and room to grow before it compacts)."""
     if agent == "claude-code":
         return int(claude_budget(int(shape["prompt_tokens"]))["window"])
     return -(-(int(shape["prompt_tokens"]) + min_output) // 256) * 256
@@ -250,13 +249,18 @@ def server_fix(agent: str, ev: dict[str, Any], shape: dict[str, Any], min_output
     why = (f"the first request ({first:,} tokens) does not fit the slot's {n_ctx:,}" if n_ctx < first + min_output
            else f"on {n_ctx:,} tokens Claude Code cannot have both an answer cap it can work with and room to grow "
            "under its compaction line: it compacts after a step or two, or at every call")
-    flags = f"-c {need} -np 1"
-    train = ev.get("n_ctx_train")
+    flags, train = f"-c {need} -np 1", ev.get("n_ctx_train")
     if train and need > train:
         ext = " ".join(EXTEND_CONTEXT(need, train)).replace("llama.context_length", "ARCH.context_length")
         flags += (f" {ext}   (ARCH: the model's general.architecture, llama for SmolLM2; past the {train:,} "
                   f"tokens it was trained on, a quality cost: notebook 20 measures it)")
     return f"server: {why}; start llama-server with a slot window of at least {need:,} tokens: {flags}"
+
+
+def settings_window(agent: str, ev: dict[str, Any], shape: dict[str, Any]) -> int | None:
+    """The window the printed settings name: the slot's, or the one the server's fix asks for."""
+    n_ctx = ev.get("n_ctx_slot")
+    return max(n_ctx or 0, window_needed(agent, shape)) if server_fix(agent, ev, shape) else n_ctx
 
 
 def report(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], checks: list[LayerCheck],
@@ -265,7 +269,7 @@ def report(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], chec
     lines = [f"  [{c.status:4}] {c.layer:8} {c.summary}" for c in checks]
     fix = server_fix(agent, ev, shape)
     if agent == "claude-code" and ev.get("n_ctx_slot"):   # the budget on the window the settings name
-        lines.append(budget_line(int(shape["prompt_tokens"]), max(ev["n_ctx_slot"], window_needed(agent, shape) * bool(fix))))
+        lines.append(budget_line(int(shape["prompt_tokens"]), settings_window(agent, ev, shape)))
     return "\n".join(lines + ([fix] if fix else []) + [
         "settings that fix what was found" + (" (with the server's fix)" if fix else "") + ":",
         fixes(agent, url, ev, shape, checks, served_name)])
@@ -275,11 +279,8 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
           served_name: str | None = None) -> str:
     """The settings that fix what the checks found, with values from the probe: Claude
     Code's `env` block, or Codex's provider block."""
-    from infercourse.ops.agent_budget import CLAUDE_WINDOW_ENV
     from infercourse.ops.agents import DUMMY_KEY, claude_settings, codex_config
-    n_ctx = ev.get("n_ctx_slot")
-    if server_fix(agent, ev, shape):   # the settings go with the server as fixed
-        n_ctx = max(n_ctx or 0, window_needed(agent, shape))
+    n_ctx = settings_window(agent, ev, shape)
     rate = ev.get("prefill_tok_per_s")
     cold = int(shape["prompt_tokens"]) / rate if rate else None
     timeout_s = max(DEFAULT_TIMEOUT_S[agent], 3 * cold) if cold else DEFAULT_TIMEOUT_S[agent]
