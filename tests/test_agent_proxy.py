@@ -140,7 +140,8 @@ def test_agent_proxy_cli_records_until_its_duration(tmp_path, capsys):
     port, out, got = free_port(), tmp_path / "s", []
     with SSESource() as src:
         def client():
-            for _ in range(100):      # until the recorder listens
+            deadline = time.monotonic() + 120   # until the recorder listens (its start is imports: slow
+            while time.monotonic() < deadline:  # on a loaded machine, so bounded by time, never a count)
                 try:
                     got.append(_stream(f"http://127.0.0.1:{port}", "main", "hi"))
                     return

@@ -186,3 +186,21 @@ def test_prefill_at_refuses_a_length_past_the_runs_window():
     df.attrs.update(ctx=1024, context_flags=[], threads=1)
     with pytest.raises(ValueError, match="window"):
         lp.prefill_at(2048, df)
+
+
+def test_extension_flags_come_from_the_models_own_file():
+    """A model trained on 32,768 tokens gets no YaRN at 32,768 and, past it, its own architecture's
+    key and its own trained length (issue 33 §3: the flags once assumed llama and 8,192)."""
+    from infercourse.models import gemma3
+    from infercourse.ops.agent_lab import extend_flags, trained_context
+    ok, why = gemma3.available()
+    if not ok:
+        pytest.skip(why)
+    g = gemma3.gemma3_gguf()
+    arch, trained = trained_context(str(g))
+    assert arch == "gemma3" and trained == 32768
+    assert extend_flags(32768, g) == [] and extend_flags(8192, None) == []
+    ext = extend_flags(65536, g)
+    assert "gemma3.context_length=int:65536" in ext and ext[ext.index("--yarn-orig-ctx") + 1] == "32768"
+    assert ext[ext.index("--rope-scale") + 1] == "2"
+    assert extend_flags(16384, None)[ext.index("--rope-scale") + 1] == "2"   # SmolLM2: trained on 8,192

@@ -349,6 +349,18 @@ def test_doctor_fixes_follow_the_findings():
     assert "stream_idle_timeout_ms" in agent_doctor.fixes("codex", "http://127.0.0.1:8", GOOD, SHAPE, checks)
 
 
+def test_the_printed_timeout_covers_the_curves_forecast_not_the_short_probes():
+    """The settings' API_TIMEOUT_MS comes from the same fitted curve as the cold-prefill check
+    beside it (it once came from one short probe's rate, and could sit below the forecast)."""
+    from infercourse.ops.prefill_probe import cold_forecast
+    pts = [(n, 0.05 + n / 1000 + n * n / 3.5e5) for n in (512, 1024, 2048)]
+    ev, shape = {**GOOD, "prefill_points": pts, "prefill_tok_per_s": 2048 / pts[-1][1]}, {**SHAPE, "prompt_tokens": 10_000}
+    curve = cold_forecast(10_000, ev)[0]
+    assert 10_000 / ev["prefill_tok_per_s"] * 3 < 600 < curve * 3      # one rate: the default would do; the curve: not
+    ms = int(json.loads(agent_doctor.fixes("claude-code", "u", ev, shape, []))["env"]["API_TIMEOUT_MS"])
+    assert ms >= 3 * curve * 1000 - 1
+
+
 def test_claude_budget_sizes_window_cap_and_compaction_line_together():
     """Issue 33 §3: the doctor's old window (first + 13,256) put the compaction line on the first
     request, and its cap (window - 13,000 - first) was 403 tokens: every call compacted, and tasks
@@ -859,3 +871,19 @@ def test_a_lab_cell_run_again_writes_a_new_folder(tmp_path, monkeypatch):
     first.mkdir()
     again = ra.lab(tmp_path, "clip", [], ctx=512)
     assert first.name == "clip" and again.name == "clip-1"
+
+
+def test_ends_sentence_counts_the_agents_own_words_and_names_the_cap():
+    """Issue 33 §2: five of six main tasks ended in the 64-token cap's API error while the
+    notebook read them as finished; the sentence counts ends by the agent's own result."""
+    tab = pd.DataFrame({"agent_said": ["api_error: Claude's response exceeded the 64 output token maximum.",
+                                       "completed", "completed", None]}, index=list("ABCD"))
+    s = rc.ends_sentence(tab)
+    assert "the 4 tasks ended: 2 completed, 1 api_error, 1 not recorded." in s
+    assert "1 of them ended in the API error the answer cap makes" in s
+    done = rc.ends_sentence(tab.assign(agent_said=["completed", "api_error: 400 request too long", "completed",
+                                                   "prompt_too_long"]))
+    assert "answer cap" not in done and "1 api_error, 1 prompt_too_long" in done
+    codex = pd.DataFrame({"agent_said": ["completed", "completed"], "cut_by_server": [True, False]})
+    assert "1 task(s) the agent reports completed ended on an answer the server cut" in rc.ends_sentence(codex)
+    assert "server cut" not in rc.ends_sentence(codex.assign(cut_by_server=False))

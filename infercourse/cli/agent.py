@@ -149,7 +149,7 @@ def agent_main(argv: list[str] | None = None) -> int:
     if a.cmd == "proxy":
         return _proxy(a, p)
     from infercourse.course import results_dir
-    from infercourse.ops.agent_lab import EXTEND_CONTEXT, LabSpec, Task, run_lab
+    from infercourse.ops.agent_lab import LabSpec, Task, extend_flags, run_lab
     small = dict(system_prompt=SMALL_SYSTEM, tools="Read") if a.small and a.agent == "claude-code" else {}
     try:
         env = _env(a.env)
@@ -171,7 +171,7 @@ def agent_main(argv: list[str] | None = None) -> int:
                   **({} if spec_ else small)) for i, t in enumerate(a.task)]
     ctx = a.extend_context or a.ctx
     spec = LabSpec(str(a.out or results_dir("agent")), tasks, ctx=ctx, threads=a.threads, slots=a.slots,
-                   cache_ram_mib=a.cache_ram, server_args=EXTEND_CONTEXT(ctx) if a.extend_context else [],
+                   cache_ram_mib=a.cache_ram, server_args=extend_flags(ctx) if a.extend_context else [],
                    host_network=a.no_netns)
     try:
         out = run_lab(spec)

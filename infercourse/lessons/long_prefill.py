@@ -48,7 +48,7 @@ from infercourse.measure.results import new_run_dir
 from infercourse.measure.workloads import exact_length_prompt
 from infercourse.models.embedded import vocab_tokenizer
 from infercourse.models.modelcard import model_card
-from infercourse.ops.agent_lab import EXTEND_CONTEXT
+from infercourse.ops.agent_lab import extend_flags
 from infercourse.servers import LlamaServer
 
 __all__ = ["PrefillConfig", "REFERENCE", "CONFIGS", "SIZES", "context_flags", "model_crossover_tokens",
@@ -86,12 +86,8 @@ _card = functools.lru_cache(maxsize=4)(model_card)   # reading a GGUF's header t
 
 def context_flags(ctx: int, model: str | Path | None = None) -> list[str]:
     """llama-server flags that serve `ctx` tokens past the model's trained context (none
-    within it): notebook 20's `EXTEND_CONTEXT`, for the model's own architecture."""
-    card = _card(model)
-    if not card.context_length or ctx <= card.context_length:
-        return []
-    return [f.replace("llama.context_length", f"{card.architecture}.context_length")
-            for f in EXTEND_CONTEXT(ctx, card.context_length)]
+    within it): notebook 20's `extend_flags`, for the model's own architecture."""
+    return extend_flags(ctx, model)
 
 
 def model_crossover_tokens(model: str | Path | None = None, *, full_block: bool = False) -> float:

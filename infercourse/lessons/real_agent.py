@@ -37,13 +37,14 @@ import pandas as pd
 from infercourse.ops import agents, netns
 from infercourse.ops.agent_anatomy import embedded_counter
 from infercourse.ops.agent_capture import GENERATING_APIS
-from infercourse.ops.agent_lab import (EXTEND_CONTEXT, LabSpec, Task, anatomy, calls_table, refused_size, run_lab,
+from infercourse.ops.agent_lab import (EXTEND_CONTEXT, extend_flags, LabSpec, Task, anatomy, calls_table, refused_size, run_lab,
                                        tasks_table)
 
 __all__ = ["SIZES", "SHORT_ANSWER", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
            "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes",
            "growing_session", "compaction_plan", "told_env", "doctor_on_fresh_server", "calls_table", "tasks_table",
-           "EXTEND_CONTEXT", "first_request_tokens", "rerun_evaluated"]
+           "EXTEND_CONTEXT", "extend_flags", "first_request_tokens",
+           "LONG_ANSWER", "clip_lab", "clipped_output_tokens"]
 
 SHORT_SYSTEM = "You are a coding assistant. Answer in one short sentence."
 # The two sizes: "full" sends the agents' own requests; "ci" shrinks them with the agents' own
@@ -89,16 +90,17 @@ def codex_task(label: str, prompt: str, size: str, *, timeout_s: float = 900, **
     return Task(label, "codex", prompt, codex=cfg, timeout_s=timeout_s)
 
 
-def lab(root: str | Path, name: str, tasks: list[Task], *, ctx: int, threads: int = 1, extend: bool = False,
+def lab(root: str | Path, name: str, tasks: list[Task], *, ctx: int, threads: int = 1, extend: bool = True,
         model: str | None = None, n_predict: int | None = 64) -> Path:
     """Run `tasks` on one fresh llama-server of `ctx` tokens (one slot) in the sealed lab;
-    `extend`: serve `ctx` to the embedded model trained on 8,192 (YaRN); `n_predict`: the
+    `extend`: serve `ctx` past the model's trained context where it asks more (YaRN, with the
+    trained length and architecture read from the model's file: `extend_flags`); `n_predict`: the
     server's own output cap (`-n`; None: only the agent's max_tokens bounds an answer).
     Returns the folder: root/name, or name-1, name-2... when a cell is run again (results are
     append-only, and a rerun must not fail on the folder its first run left)."""
     name = name if not (Path(root) / name).exists() else _unused(root, name)   # a rerun: name-1, name-2...
     spec = LabSpec(str(Path(root) / name), tasks, ctx=ctx, threads=threads, model=model, n_predict=n_predict,
-                   server_args=EXTEND_CONTEXT(ctx) if extend else [])
+                   server_args=extend_flags(ctx, model) if extend else [])
     return run_lab(spec)
 
 
@@ -136,35 +138,14 @@ def first_request_tokens(root: str | Path, tools: str, size: str, *, ctx: int, t
         root: the results folder (the run goes to a new `name-k` folder in it).
         tools: Claude Code's `--tools` value, e.g. "Read,Bash" ("": no tools).
         size: "full" or "ci" (`SIZES`; `tools` replaces the size's own list).
-        ctx: the server's window (extended with YaRN above 8,192).
+        ctx: the server's window (extended with YaRN past the model's trained context).
         threads, model, timeout_s: as `lab` and `claude_task` take them.
     """
     task = claude_task(f"tools {tools or 'none'}", "Say hello.", size, env=SHORT_ANSWER, timeout_s=timeout_s,
                        tools=tools)
-    first = _first_call(lab(root, _unused(root, name), [task], ctx=ctx, threads=threads, extend=ctx > 8192,
-                            model=model))
+    first = _first_call(lab(root, _unused(root, name), [task], ctx=ctx, threads=threads, model=model))
     n = first.get("prompt_tokens")
     return float(n) if pd.notna(n) else refused_size(first.get("error"))
-
-
-def rerun_evaluated(root: str | Path, size: str, env: dict[str, str], *, ctx: int, threads: int = 1,
-                    model: str | None = None, timeout_s: float = 900, prompt: str = "Say hello.",
-                    name: str = "rerun") -> float:
-    """One Claude Code task run twice on one fresh server in the sealed lab, the second time
-    with `env` added: the prompt tokens the second run's first call made the server evaluate
-    (its /metrics counter), i.e. how much of the first run's cached prefix it could not reuse.
-
-    Args:
-        root: the results folder (the run goes to a new `name-k` folder in it).
-        size: "full" or "ci".
-        env: what the second run changes, e.g. {"CLAUDE_CODE_ATTRIBUTION_HEADER": "0"}.
-        ctx, threads, model, timeout_s: as `lab` and `claude_task` take them.
-        prompt: the task, the same both times.
-    """
-    tasks = [claude_task("first", prompt, size, env=SHORT_ANSWER, timeout_s=timeout_s),
-             claude_task("again, env changed", prompt, size, env={**SHORT_ANSWER, **env}, timeout_s=timeout_s)]
-    out = lab(root, _unused(root, name), tasks, ctx=ctx, threads=threads, extend=ctx > 8192, model=model)
-    return float(evaluated_by_task(out).loc["again, env changed", "evaluated_tokens"])
 
 
 def first_call_parts(out: str | Path, request_id: int = 0) -> pd.DataFrame:
@@ -201,18 +182,40 @@ def evaluated_by_task(out: str | Path) -> pd.DataFrame:
     that differed from the call before it), then the task's totals: calls, answered calls and
     prompt tokens the server evaluated over the whole task (its /metrics counter). An agent
     whose answer was cut at its max_tokens sends more calls to continue it: the first call is
-    the one to compare across tasks, the totals say what the task cost."""
+    the one to compare across tasks, the totals say what the task cost. `cut_by_server`: the
+    task's last answer stopped at the server's own cap (`-n`, for a call that named no
+    max_tokens: Codex reports such an answer as complete)."""
     gen, tasks = _model_calls(out), tasks_table(out)
+    cap = LabSpec.load(Path(out) / "spec.json").n_predict if (Path(out) / "spec.json").exists() else None
     rows = []
     for _, t in tasks.iterrows():
         c = gen[gen["task"] == t["task"]]
         first = c.iloc[0] if len(c) else pd.Series(dtype=object)
-        rows.append({"task": t["task"], "agent": t["agent"], "exit": t["exit"],
+        last = c.iloc[-1] if len(c) else pd.Series(dtype=object)
+        rows.append({"task": t["task"], "agent": t["agent"], "exit": t["exit"], "agent_said": t.get("agent_said"),
                      "prompt_tokens": first.get("prompt_tokens"), "cached_tokens": first.get("cached_tokens"),
                      "evaluated_tokens": first.get("evaluated_tokens"), "ttft_s": first.get("ttft_s"),
                      "first_diff": first.get("first_diff"), "calls": len(c), "answered": int((c["status"] == "ok").sum()),
-                     "task_evaluated_tokens": t["evaluated_tokens"], "wall_s": t["wall_s"]})
+                     "task_evaluated_tokens": t["evaluated_tokens"], "wall_s": t["wall_s"],
+                     "cut_by_server": bool(cap and pd.isna(last.get("max_tokens")) and last.get("output_tokens") == cap)})
     return pd.DataFrame(rows).set_index("task")
+
+
+LONG_ANSWER = "Count from 1 to 400, one number per line."   # an answer longer than the clipped server's room
+
+
+def clip_lab(root: str | Path, first: int, room: int, size: str, *, threads: int = 1, model: str | None = None,
+             timeout_s: float = 900, name: str = "clip") -> Path:
+    """The clipped-answer run: one long-answer task on a fresh server sized to leave `room`
+    tokens after the agent's first request (`first` tokens, the main run's); its folder."""
+    task = claude_task("long answer", LONG_ANSWER, size, timeout_s=timeout_s)
+    return lab(root, name, [task], ctx=first + room, threads=threads, model=model)
+
+
+def clipped_output_tokens(root: str | Path, first: int, room: int, size: str, **kw: Any) -> float:
+    """`output_tokens` of the clipped call (the first) on a new `clip_lab` server: exercise 2's
+    measurement, with `room` the one setting changed."""
+    return float(clip_view(clip_lab(root, first, room, size, name="clip-room", **kw))["output_tokens"].iloc[0])
 
 
 def clip_view(out: str | Path) -> pd.DataFrame:
@@ -313,13 +316,13 @@ def told_env(plan: dict[str, int]) -> dict[str, str]:
 
 def doctor_on_fresh_server(ctx: int, capture: str | Path, *, threads: int = 1, model: str | None = None,
                            agent: str = "claude-code") -> str:
-    """`doctor agent` against a new llama-server of `ctx` tokens (extended above 8,192), sized by
+    """`doctor agent` against a new llama-server of `ctx` tokens (extended past the model's trained context), sized by
     the captured first request in `capture`: the checks and the settings it prints."""
     from infercourse.measure.workloads import DATA_DIR
     from infercourse.ops.agent_doctor import agent_shape, grade_agent_route, probe_agent_route, report
     from infercourse.servers import LlamaServer
     extra = ["--chat-template-file", str(DATA_DIR / "chatml_tools.jinja"), "--alias", "smollm2-135m",
-             *(EXTEND_CONTEXT(ctx) if ctx > 8192 else [])]
+             *extend_flags(ctx, model)]
     shape = agent_shape(agent, capture)
     with LlamaServer(model, n_parallel=1, ctx_size=ctx, threads=threads, jinja=True, extra_args=extra) as srv:
         ev = probe_agent_route(srv.url, agent)

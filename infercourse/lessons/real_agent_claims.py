@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["cold_warm_sentence", "header_sentence", "amplification_sentence", "plan_sentence", "compaction_sentence",
+__all__ = ["ends_sentence", "cold_warm_sentence", "header_sentence", "amplification_sentence", "plan_sentence", "compaction_sentence",
            "rewrite_sentence"]
 
 
@@ -22,6 +22,32 @@ def _fold(ratio: float) -> str:
     """A ratio and its inverse read the same way: 0.5 is "2.0x", 25 is "25x"."""
     r = ratio if ratio >= 1 else 1 / ratio
     return f"{r:.0f}x" if r >= 10 else f"{r:.1f}x"
+
+
+def ends_sentence(tab: pd.DataFrame) -> str:
+    """How the tasks ended in the agent's own words (`agent_said`, from its own result), counted
+    by kind, and how many of those ends the answer cap made: Claude Code reports an answer cut at
+    its output cap as an API error (after asking to continue it), so a capped task is not a
+    refused one.
+
+    Args:
+        tab: `real_agent.evaluated_by_task` (its agent_said column).
+    """
+    said = tab["agent_said"].fillna("not recorded").astype(str)
+    counts = said.str.split(":").str[0].value_counts()
+    line = (f"In the agent's own words, the {len(tab)} tasks ended: "
+            + ", ".join(f"{n} {kind}" for kind, n in counts.items()) + ".")
+    capped = int(said.str.contains("output token maximum").sum())
+    if capped:
+        line += (f" {capped} of them ended in the API error the answer cap makes (an answer cut at "
+                 "CLAUDE_CODE_MAX_OUTPUT_TOKENS, which the agent tries to continue, then reports as an error); "
+                 "a first call is sent before any answer, so its prompt side does not depend on how its task ended.")
+    cut = int((tab.get("cut_by_server", pd.Series(False, index=tab.index)).fillna(False).astype(bool)
+               & said.eq("completed")).sum())
+    if cut:
+        line += (f" {cut} task(s) the agent reports completed ended on an answer the server cut at its own output "
+                 "cap (`-n`: the agent named no max_tokens): the agent did not see the cut.")
+    return line
 
 
 def cold_warm_sentence(tab: pd.DataFrame, cold: str, warm: str, again: str) -> str:

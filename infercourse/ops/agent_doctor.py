@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from infercourse.core.errors import InferCourseError
 from infercourse.measure.workloads import DATA_DIR
 from infercourse.ops.agent_budget import CLAUDE_WINDOW_ENV, budget_line, claude_budget
 from infercourse.ops.layers import LayerCheck
-from infercourse.ops.prefill_probe import cold_forecast, curve_lengths, probe_curve
+from infercourse.ops.prefill_probe import cold_forecast, cold_text, curve_lengths, probe_curve
 
 __all__ = ["SHAPES", "agent_shape", "shape_from_capture", "probe_agent_route", "grade_agent_route", "fixes",
            "server_fix", "window_needed", "report", "doctor_agent_main", "DEFAULT_TIMEOUT_S"]
@@ -46,7 +45,6 @@ SHAPES = DATA_DIR / "agent_shapes.json"
 # 600,000 ms; Codex: stream_idle_timeout_ms, 300,000 ms)
 DEFAULT_TIMEOUT_S = {"claude-code": 600.0, "codex": 300.0}
 DEFAULT_MODELS = {"claude-code": ("claude-sonnet-4-6", "claude-haiku-4-5"), "codex": ("gpt-5.2-codex", None)}
-_STATIC = "The quick brown fox reads the build log, edits one file and runs the tests again. "
 
 
 def agent_shape(agent: str, capture: str | Path | None = None) -> dict[str, Any]:
@@ -153,7 +151,7 @@ def probe_agent_route(url: str, agent: str = "claude-code", *, models: tuple[str
         ev["model_status"][mid] = {"status": st, "error": (doc.get("error") or {}).get("message")}
     if ev["n_ctx_slot"]:   # the probe must fit the window it measures
         probe_tokens = min(probe_tokens, ev["n_ctx_slot"] // 3)
-    static = uuid.uuid4().hex + " " + _STATIC * max(1, probe_tokens // 18)   # new every probe: cold
+    static = cold_text(probe_tokens)   # new every probe: cold
     t0 = time.perf_counter()
     st, first = _messages(url, _header_body(main, "aaa", static), timeout_s)
     ev["probe_s"] = time.perf_counter() - t0
@@ -281,8 +279,7 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
     Code's `env` block, or Codex's provider block."""
     from infercourse.ops.agents import DUMMY_KEY, claude_settings, codex_config
     n_ctx = settings_window(agent, ev, shape)
-    rate = ev.get("prefill_tok_per_s")
-    cold = int(shape["prompt_tokens"]) / rate if rate else None
+    cold = (cold_forecast(int(shape["prompt_tokens"]), ev) or (None,))[0]   # the forecast the checks print
     timeout_s = max(DEFAULT_TIMEOUT_S[agent], 3 * cold) if cold else DEFAULT_TIMEOUT_S[agent]
     name = served_name or (ev.get("served_models") or ["local-model"])[0]
     if agent == "codex":

@@ -34,6 +34,7 @@ manifest says so.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -45,18 +46,36 @@ from typing import Any
 from infercourse.core.errors import AgentLayerError
 from infercourse.ops import netns
 
-__all__ = ["Task", "LabSpec", "run_lab", "EXTEND_CONTEXT", "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size",
+__all__ = ["Task", "LabSpec", "run_lab", "EXTEND_CONTEXT", "extend_flags", "trained_context", "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size",
            "network_line"]
 
 
-def EXTEND_CONTEXT(ctx: int, trained: int = 8192) -> list[str]:
+def EXTEND_CONTEXT(ctx: int, trained: int = 8192, arch: str = "llama") -> list[str]:
     """llama-server flags that let a model trained on `trained` tokens take `ctx`: the slot is
-    capped at the trained length unless the model's own metadata says more, so the metadata is
-    overridden, and YaRN rope scaling stretches the positions it never saw (a quality cost
-    the notebook measures)."""
+    capped at the trained length unless the model's own metadata says more, so the metadata
+    (`ARCH.context_length`, `arch` the GGUF's general.architecture) is overridden, and YaRN rope
+    scaling stretches the positions it never saw (a quality cost the notebook measures).
+    `extend_flags` reads `trained` and `arch` from a model's own file."""
     scale = max(1.0, ctx / trained)
-    return ["--override-kv", f"llama.context_length=int:{ctx}", "--rope-scaling", "yarn",
+    return ["--override-kv", f"{arch}.context_length=int:{ctx}", "--rope-scaling", "yarn",
             "--rope-scale", f"{scale:g}", "--yarn-orig-ctx", str(trained)]
+
+
+@functools.lru_cache(maxsize=8)
+def trained_context(model: str | None = None) -> tuple[str, int | None]:
+    """(general.architecture, the context length it was trained on) from the model's own file
+    (None: the embedded model), read once per model (a GGUF header takes seconds)."""
+    from infercourse.models.modelcard import model_card
+    card = model_card(model)
+    return card.architecture, card.context_length
+
+
+def extend_flags(ctx: int, model: str | Path | None = None) -> list[str]:
+    """`EXTEND_CONTEXT` for `model` (None: the embedded one) with the trained context and
+    architecture its own file states: no flags where `ctx` is within what it was trained on
+    (a model trained on 32,768 tokens gets none at 32,768, not YaRN from 8,192)."""
+    arch, trained = trained_context(None if model is None else str(model))
+    return [] if not trained or ctx <= trained else EXTEND_CONTEXT(ctx, trained, arch)
 
 
 @dataclass

@@ -323,17 +323,17 @@ def chat_report(ev: dict[str, Any], shape: dict[str, Any], checks: list[LayerChe
 
 def doctor_on_fresh_server(ctx: int, spec: str | dict = "qwen-code", capture: str | Path | None = None, *,
                            cache_ram_mib: int | None = 0, slots: int = 1, threads: int | None = 1,
-                           model: str | None = None, extend: bool = False) -> str:
+                           model: str | None = None, extend: bool = True) -> str:
     """`doctor agent --agent chat` against a fresh llama-server of `ctx` tokens a slot (the
     course's tools template; `cache_ram_mib` 0: no host prompt cache, the server a side call
     evicts), with `capture`'s calls (a lab run) or the shipped shape; returns what it printed."""
     from infercourse.measure.workloads import DATA_DIR
     from infercourse.ops import chat_agent
-    from infercourse.ops.agent_lab import EXTEND_CONTEXT
+    from infercourse.ops.agent_lab import extend_flags
     from infercourse.servers import LlamaServer
     s = chat_agent.load_spec(spec)
     shape = {**chat_shape(s["name"], capture), "timeout_s": s.get("timeout_s"), "timeout_note": s.get("timeout_note")}
-    extra = ["--chat-template-file", str(DATA_DIR / "chatml_tools.jinja"), *(EXTEND_CONTEXT(ctx) if extend else [])]
+    extra = ["--chat-template-file", str(DATA_DIR / "chatml_tools.jinja"), *(extend_flags(ctx, model) if extend else [])]
     with LlamaServer(model, n_parallel=slots, ctx_size=ctx * slots, threads=threads, jinja=True,
                      cache_ram_mib=cache_ram_mib, extra_args=extra) as srv:
         ev = probe_chat_route(srv.url)

@@ -21,9 +21,15 @@ import httpx
 
 from infercourse.measure.prefill_curve import fit_prefill, predict_prefill_s
 
-__all__ = ["curve_lengths", "probe_curve", "cold_forecast"]
+__all__ = ["cold_text", "curve_lengths", "probe_curve", "cold_forecast"]
 
 _TEXT = "The quick brown fox reads the build log, edits one file and runs the tests again. "
+
+
+def cold_text(n: int) -> str:
+    """About `n` tokens of text behind a new random head, so no server has any of it cached
+    (the doctors' probes: a cold prefill every time)."""
+    return uuid.uuid4().hex + " " + _TEXT * max(1, n // 18)
 
 
 def curve_lengths(n_ctx: int | None, longest: int = 2048) -> list[int]:
@@ -38,7 +44,7 @@ def probe_curve(url: str, model: str, lengths: list[int], timeout_s: float = 300
     length (a new random head each time: nothing cached); calls without timings are left out."""
     points = []
     for n in lengths:
-        text = uuid.uuid4().hex + " " + _TEXT * max(1, n // 18)
+        text = cold_text(n)
         r = httpx.post(url.rstrip("/") + "/v1/chat/completions", timeout=timeout_s,
                        json={"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": text}]})
         t = (r.json().get("timings") or {}) if r.status_code == 200 else {}
