@@ -887,3 +887,82 @@ def test_ends_sentence_counts_the_agents_own_words_and_names_the_cap():
     codex = pd.DataFrame({"agent_said": ["completed", "completed"], "cut_by_server": [True, False]})
     assert "1 task(s) the agent reports completed ended on an answer the server cut" in rc.ends_sentence(codex)
     assert "server cut" not in rc.ends_sentence(codex.assign(cut_by_server=False))
+
+
+def test_prefill_ledger_counts_the_big_prefills_run_by_run(tmp_path, monkeypatch):
+    """Issue 33 §5: the notebook's pace is its cold prefills; the ledger counts, per lab run in
+    the order they ran, the calls that made the server evaluate a thousand tokens or more."""
+    import os
+    for k, name in enumerate(("main", "retry")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+        os.utime(tmp_path / name / "manifest.json", (1000 - k, 1000 - k))     # retry ran first
+        (tmp_path / name / "tasks.jsonl").write_text(json.dumps({"task": "t", "wall_s": 10.0 * (k + 1)}) + "\n")
+    calls = {"main": pd.DataFrame({"api": ["anthropic", "anthropic", "count_tokens"], "evaluated_tokens": [12000, 40, 9000]}),
+             "retry": pd.DataFrame({"api": ["anthropic"] * 2, "evaluated_tokens": [12000, 999]})}
+    monkeypatch.setattr(rs, "calls_table", lambda d: calls[Path(d).name])
+    led = rs.prefill_ledger(tmp_path)
+    assert list(led.index) == ["retry", "main"]
+    assert led.loc["main", "big_prefills"] == 1 and led.loc["main", "model_calls"] == 2     # count_tokens is not a call
+    assert led.loc["retry", "big_prefills"] == 1 and led.loc["retry", "evaluated_tokens"] == 12999
+    assert led.loc["retry", "wall_s"] == 20.0
+    s = rc.ledger_sentence(led)
+    assert "The 2 lab runs sent 4 model calls; 2 of them" in s and "took 30 s" in s and "most such calls: retry" in s
+    assert "No lab run" in rc.ledger_sentence(led.iloc[:0])
+
+
+def test_the_forcer_asks_the_first_call_for_one_tool_and_says_so():
+    """Issue 33 §1: the lab option that forces a tool round trip changes one call per task, the
+    first that offers the tool, and tags it; Anthropic and OpenAI bodies get their own shapes."""
+    from infercourse.measure.tool_calls import CALL_CLOSE, CALL_OPEN
+    from infercourse.ops.agent_lab import first_tool_forcer
+    anth = {"model": "m", "tools": [{"name": "Placeholder", "input_schema": {}}, {"name": "Read", "input_schema": {}}],
+            "messages": [{"role": "user", "content": "hi"}]}
+    rw, tags = first_tool_forcer("Read"), {"task": "t"}
+    sent = json.loads(rw(json.dumps(anth).encode(), tags))
+    assert [t["name"] for t in sent["tools"]] == ["Read"] and sent["tool_choice"] == {"type": "any"}
+    assert sent["messages"][-1] == {"role": "assistant", "content": CALL_OPEN} and sent["stop_sequences"] == [CALL_CLOSE]
+    assert tags["forced"].startswith("Read alone")
+    again = {"task": "t"}
+    assert rw(json.dumps(anth).encode(), again) == json.dumps(anth).encode() and "forced" not in again   # once a task
+    oai = {"tools": [{"type": "function", "function": {"name": "Read"}}], "messages": []}
+    sent = json.loads(first_tool_forcer("Read")(json.dumps(oai).encode(), {"task": "u"}))
+    assert sent["tool_choice"] == "required" and sent["stop"] == [CALL_CLOSE]
+    assert first_tool_forcer("Bash")(json.dumps(anth).encode(), {"task": "v"}) == json.dumps(anth).encode()
+    assert first_tool_forcer("Read")(b"not json", {"task": "w"}) == b"not json"
+
+
+def test_tool_sentence_follows_the_round_trip_and_what_the_template_rendered(tmp_path, monkeypatch):
+    from infercourse.lessons import real_agent_tools as rt
+    (tmp_path / "bodies").mkdir()
+    (tmp_path / "bodies" / "000.json").write_text(json.dumps({"tools": [{"name": "Read"}], "messages": []}))
+    (tmp_path / "bodies" / "001.json").write_text(json.dumps({"tools": [{"name": "P"}, {"name": "Read"}], "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "name": "Read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "content": "File does not exist.", "is_error": True}]}]}))
+    calls = pd.DataFrame({"request_id": [0, 1], "task": "t", "api": "anthropic", "forced": ["Read alone", None],
+                          "stop_reason": ["tool_use", "end_turn"], "prompt_tokens": [900, 1000],
+                          "evaluated_tokens": [900, 950], "first_diff": ["first call", "tool 0: P"]})
+    monkeypatch.setattr(rt, "calls_table", lambda out: calls)
+    trip = rt.tool_round_trip(tmp_path)
+    assert list(trip["tool_results_sent"]) == [0, 1] and trip["results_marked_error"].iloc[1] == 1
+    seen = {"request_id": 1, "results": 1, "result_chars": 20, "prompt_tokens": 1000, "results_emptied": 994,
+            "rendered_tokens": 6}
+    s = rt.tool_sentence(trip, seen)
+    assert "carried 1 tool result(s) (1 marked as the tool's error)" in s and "rendered 6 tokens" in s
+    dropped = rt.tool_sentence(trip, {**seen, "results_emptied": 1000, "rendered_tokens": 0})
+    assert "the template dropped them" in dropped and "rendered 6" not in dropped
+    assert "did not close" in rt.tool_sentence(trip.iloc[:1], seen)
+    assert "No call was forced" in rt.tool_sentence(trip.assign(forced=None), seen)
+
+
+@pytest.mark.slow
+@_real("claude-code")
+def test_a_forced_read_closes_a_tool_round_trip_through_the_server(tmp_path):
+    """The forced first call comes back as one tool call, the agent runs it and sends the
+    result, and the course's template renders the result (the server counts it)."""
+    from infercourse.lessons import real_agent_tools as rt
+    out = run_lab(LabSpec(str(tmp_path / "tool"), [ra.tool_task("ci", timeout_s=300)], ctx=4096))
+    trip = rt.tool_round_trip(out)
+    assert trip["forced"].notna().sum() == 1 and trip["stop_reason"].iloc[0] == "tool_use"
+    assert (trip["tool_results_sent"] > 0).any()
+    assert rt.tool_result_rendered(out, ctx=4096)["rendered_tokens"] > 0

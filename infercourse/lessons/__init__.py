@@ -33,7 +33,7 @@ A concept two notebooks share gets its own module (e.g. `draft_verify`, used by 
 | `retries`          | 18 what a client's retries do to the tail            |
 | `coding_agent`, `coding_agent_claims` | 19 the coding agent on a local model (its sentences) |
 | `agent_failures`, `agent_failures_tools`, `agent_failures_numerics`, `agent_failures_claims` | 19 four failures, live (reasoning dropped from history; many tools; a quantized KV cache and speculative decoding on tool calls; their sentences); 18 runs their rows at a small size |
-| `real_agent`, `real_agent_session`, `real_agent_claims` | 20 the real agents (Claude Code, Codex CLI), sealed and captured (a growing session: did the agent compact; its sentences) |
+| `real_agent`, `real_agent_session`, `real_agent_tools`, `real_agent_claims` | 20 the real agents (Claude Code, Codex CLI), sealed and captured (a growing session: did the agent compact; a tool call and its result through the server; its sentences) |
 | `context_extension` | 20 a window past the model's training (YaRN): what serving it costs in log-likelihood |
 | `capstone`, `capstone_incident` | 21 the capstone incident (which route changed beyond its noise; the hidden fault, the snapshots, your graded report) |
 | `exercises`        | every notebook's self-checks and predictions         |

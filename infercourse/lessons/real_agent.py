@@ -44,7 +44,7 @@ __all__ = ["SIZES", "SHORT_ANSWER", "readiness", "skip_reason", "claude_task", "
            "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes",
            "growing_session", "compaction_plan", "told_env", "doctor_on_fresh_server", "calls_table", "tasks_table",
            "EXTEND_CONTEXT", "extend_flags", "first_request_tokens",
-           "LONG_ANSWER", "clip_lab", "clipped_output_tokens"]
+           "LONG_ANSWER", "clip_lab", "clipped_output_tokens", "TOOL_TASK", "TOOL_ANSWER", "tool_task"]
 
 SHORT_SYSTEM = "You are a coding assistant. Answer in one short sentence."
 # The two sizes: "full" sends the agents' own requests; "ci" shrinks them with the agents' own
@@ -54,6 +54,9 @@ SIZES = {"full": {"claude-code": {}, "codex": {}},
          "ci": {"claude-code": {"system_prompt": SHORT_SYSTEM, "tools": "Read"},
                 "codex": {"codex": {"instructions": SHORT_SYSTEM}}}}
 SHORT_ANSWER = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}   # where the answer's length is not the lesson
+# the tool round trip: a task that asks for a file, its first call forced to Read (ops.agent_lab's
+# force_first_tool); room for a call whose path the model writes, and turns for the result
+TOOL_TASK, TOOL_ANSWER = "Read the file notes.txt and say what it holds.", {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
 
 
 def readiness() -> pd.DataFrame:
@@ -82,6 +85,13 @@ def claude_task(label: str, prompt: str, size: str, *, env: dict[str, str] | Non
     """A Claude Code task at `size` ("ci": its own flags shrink the request; "full": defaults)."""
     return Task(label, "claude-code", prompt, env=dict(env or {}), timeout_s=timeout_s,
                 **{**SIZES[size]["claude-code"], **kw})
+
+
+def tool_task(size: str, *, timeout_s: float = 900) -> Task:
+    """The tool round trip's Claude Code task: Read alone offered and forced on its first call
+    (`Task.force_first_tool`, stated on that call), three turns for the call and its result."""
+    return claude_task("tool round trip", TOOL_TASK, size, env=TOOL_ANSWER, timeout_s=timeout_s, tools="Read",
+                       force_first_tool="Read", max_turns=3)
 
 
 def codex_task(label: str, prompt: str, size: str, *, timeout_s: float = 900, **codex: Any) -> Task:

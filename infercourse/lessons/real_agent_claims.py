@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["ends_sentence", "cold_warm_sentence", "header_sentence", "amplification_sentence", "plan_sentence", "compaction_sentence",
+__all__ = ["ends_sentence", "ledger_sentence", "cold_warm_sentence", "header_sentence", "amplification_sentence", "plan_sentence", "compaction_sentence",
            "rewrite_sentence"]
 
 
@@ -203,3 +203,15 @@ def rewrite_sentence(table: pd.DataFrame) -> str:
                    f"{r['evaluated_per_rewrite']:,.0f} of {r['prompt_at_rewrites']:,.0f} prompt tokens ({share:.0%}{times}); "
                    f"at the other calls, {r['evaluated_per_other_call']:,.0f}.")
     return " ".join(out)
+
+
+def ledger_sentence(led: pd.DataFrame) -> str:
+    """What the notebook's lab runs paid, from `real_agent_session.prefill_ledger`: model calls,
+    the calls that evaluated a thousand tokens or more, and the run that held most of them."""
+    if not len(led):
+        return "No lab run was captured here (every measuring cell skipped)."
+    top = led["big_prefills"].idxmax()
+    return (f"The {len(led)} lab runs sent {led['model_calls'].sum():,} model calls; {led['big_prefills'].sum():,} of "
+            f"them made the server evaluate 1,000 prompt tokens or more, and their tasks took "
+            f"{led['wall_s'].sum():,.0f} s. The run with most such calls: {top} "
+            f"({led.loc[top, 'big_prefills']:,} of {led.loc[top, 'model_calls']:,} calls, {led.loc[top, 'wall_s']:,.0f} s).")

@@ -19,6 +19,12 @@ again unless the server keeps the full cache (`--swa-full`); a full-attention mo
 only what follows the change. `rewrite_table` sets the families and settings side by side
 at the calls that rewrote the history and at the others. The bodies never leave the results
 folder; only the counts are shown.
+
+`prefill_ledger(root)` counts what a notebook's lab runs paid in prefill, run by run: the
+calls that made the server evaluate a thousand tokens or more (a cold start, a busted prefix,
+a rewrite) against the rest, the tokens the server evaluated and each run's wall time:
+on a small CPU a real agent's first request is tens of seconds of prefill, so that count is
+the notebook's pace.
 """
 from __future__ import annotations
 
@@ -27,13 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pandas as pd
 
 from infercourse.ops.agent_stream import usage_tokens
 from infercourse.ops.agent_lab import anatomy, calls_table, refused_size, tasks_table
+from infercourse.ops.anthropic_probe import post_messages
 
-__all__ = ["KEPT_SHARE", "session_view", "replay_session", "rewrite_table"]
+__all__ = ["KEPT_SHARE", "session_view", "replay_session", "rewrite_table", "prefill_ledger"]
 
 KEPT_SHARE = 0.5   # a first message that keeps less of the one before than this was replaced, not grown
 
@@ -130,13 +136,12 @@ def replay_session(out: str | Path, *, model: str | Path | None = None, ctx: int
                 continue
             body = {**json.loads(path.read_text()), "max_tokens": 1, "stream": False}
             t0 = time.perf_counter()
-            resp = httpx.post(srv.url + "/v1/messages", json=body, timeout=timeout_s,
-                              headers={"x-api-key": "dummy", "anthropic-version": "2023-06-01"})
+            status, doc = post_messages(srv.url, body, timeout_s)
             wall = time.perf_counter() - t0           # one output token: the prefill, nearly all of it
-            u = usage_tokens(resp.json().get("usage") or {}) if resp.status_code == 200 else {}
+            u = usage_tokens(doc.get("usage") or {}) if status == 200 else {}
             prompt, reused = u.get("prompt_tokens"), u.get("cached_tokens") or 0
             rows.append({"request_id": r.request_id, "task": r.task, "rewrote_history": bool(r.rewrote_history),
-                         "status": resp.status_code, "prompt_tokens": prompt, "reused": reused if prompt else None,
+                         "status": status, "prompt_tokens": prompt, "reused": reused if prompt else None,
                          "evaluated": prompt - reused if prompt else None, "seconds": wall})
     return pd.DataFrame(rows)
 
@@ -155,3 +160,21 @@ def rewrite_table(replays: dict[str, pd.DataFrame]) -> pd.DataFrame:
                      "evaluated_per_other_call": rest["evaluated"].median() if len(rest) else float("nan"),
                      "evaluated_total": ok["evaluated"].sum(), "seconds_total": ok["seconds"].sum()})
     return pd.DataFrame(rows).set_index("replay")
+
+
+def prefill_ledger(root: str | Path, least: int = 1000) -> pd.DataFrame:
+    """One row per lab run under `root` (a notebook's results folder), in the order they ran:
+    model calls, the calls that made the server evaluate at least `least` prompt tokens
+    (`big_prefills`), the prompt tokens all calls made it evaluate (its own count) and the run's
+    wall time (its tasks'). The fresh servers of the doctors and of `replay_session` hold no
+    lab capture and are not in it."""
+    from infercourse.ops.agent_stream import GENERATING_APIS
+    rows = []
+    for d in (m.parent for m in sorted(Path(root).glob("*/manifest.json"), key=lambda m: m.stat().st_mtime)):
+        calls, tasks = calls_table(d), tasks_table(d)
+        gen = calls[calls["api"].isin(GENERATING_APIS)] if "api" in calls else calls.iloc[:0]
+        ev = pd.to_numeric(gen.get("evaluated_tokens"), errors="coerce")
+        rows.append({"run": d.name, "model_calls": len(gen), "big_prefills": int((ev >= least).sum()),
+                     "evaluated_tokens": ev.sum(min_count=1),
+                     "wall_s": pd.to_numeric(tasks.get("wall_s"), errors="coerce").sum(min_count=1)})
+    return pd.DataFrame(rows, columns=["run", "model_calls", "big_prefills", "evaluated_tokens", "wall_s"]).set_index("run")

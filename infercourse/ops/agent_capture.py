@@ -1,9 +1,9 @@
 """Capture every call a real coding agent makes: a recording pass-through proxy.
 
 A coding agent is a client we did not write: to see what it sends we stand between it and
-the server. `RecordingProxy` listens on 127.0.0.1, forwards each request unchanged to a
-loopback server (another host only when the caller says so: `allow_remote`), streams the
-answer back chunk by chunk as it arrives, and records per call:
+the server. `RecordingProxy` listens on 127.0.0.1, forwards each request unchanged (but for
+a lab's `rewrite`, tagged on the call) to a loopback server (another host only when the caller
+says so: `allow_remote`), streams the answer back chunk by chunk as it arrives, and records:
 
 | column | where it comes from |
 |---|---|
@@ -15,9 +15,8 @@ answer back chunk by chunk as it arrives, and records per call:
 | stop_reason | `stop_reason`, the Responses status, or `finish_reason` |
 
 Each call becomes a `RequestTrace` in a results folder (`RunWriter`: manifest first, a line
-per call, fsynced), so `infercourse report` renders it like any bench run. The request bodies
-go to `bodies/NNN.json` in that folder: they hold the vendors' prompt text, stay in the
-learner's results folder and are never committed (only numbers derived from them are).
+per call, fsynced), rendered by `infercourse report` like any bench run. The request bodies go
+to `bodies/NNN.json` there: the vendors' prompt text, never committed (only numbers from it).
 
 Written by hand on the standard library's `ThreadingHTTPServer` and `http.client`, not on
 `ops.netfaults.FaultProxy`: a recorder keeps the client's keep-alive connections as they are
@@ -74,13 +73,13 @@ def evaluated_count(url: str, client: httpx.Client | None = None, errors: list[s
     loop, between batches, so the wait may be long: 60 s."""
     try:
         r = (client or httpx).get(url.rstrip("/") + "/metrics", timeout=60)
-        if r.status_code != 200:
-            (errors if errors is not None else []).append(f"HTTP {r.status_code}")
-            return None
-        return parse_metrics(r.text).get(EVALUATED)
+        if r.status_code == 200:
+            return parse_metrics(r.text).get(EVALUATED)
+        why = f"HTTP {r.status_code}"
     except (httpx.HTTPError, ValueError) as e:
-        (errors if errors is not None else []).append(f"{type(e).__name__}: {e}")
-        return None
+        why = f"{type(e).__name__}: {e}"
+    (errors if errors is not None else []).append(why)
+    return None
 
 
 class RecordingProxy:
@@ -92,9 +91,8 @@ class RecordingProxy:
             `RunWriter`); the bodies go to `bodies_dir` when given.
         bodies_dir: where each request body is saved as NNN.json (a results folder).
         read_metrics: read the upstream's /metrics around each generating call (the lab's
-            llama-server). The read happens before the call is forwarded, so it adds a round
-            trip to every TTFT: off for a learner's session, where the server's own
-            per-request timings give the evaluated tokens instead.
+            llama-server), before it is forwarded: a round trip added to every TTFT, so off for
+            a learner's session, where the server's per-request timings give the evaluated tokens.
         port: the port to listen on (0: any free one).
         allow_remote: forward to a server that is not on loopback (the learner's explicit
             choice; the bodies it sees then cross the network).
@@ -112,6 +110,7 @@ class RecordingProxy:
         self.on_call, self.read_metrics = on_call, read_metrics
         self.bodies_dir = Path(bodies_dir) if bodies_dir else None
         self.tags: dict[str, Any] = {}       # added to every call from now on (the lab sets task, agent)
+        self.rewrite: Callable[[bytes, dict], bytes] | None = None   # a lab's option: (body, tags) -> body
         self.traces: list[RequestTrace] = []
         self.metrics_errors: list[str] = []
         self._lock, self._n, self._in_flight, self._open = threading.Lock(), 0, 0, 0
@@ -209,6 +208,7 @@ class RecordingProxy:
         t0 = time.perf_counter()
         api = api_of(h.path)
         generating = h.command == "POST" and api in GENERATING_APIS
+        body = self.rewrite(body, tags) if generating and self.rewrite else body   # recorded as sent, tagged
         with self._lock:
             rid, self._n = self._n, self._n + 1
             self._in_flight += 1

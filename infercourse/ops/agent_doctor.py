@@ -34,6 +34,7 @@ import httpx
 from infercourse.core.errors import InferCourseError
 from infercourse.measure.workloads import DATA_DIR
 from infercourse.ops.agent_budget import CLAUDE_WINDOW_ENV, budget_line, claude_budget
+from infercourse.ops.anthropic_probe import post_messages as _messages
 from infercourse.ops.layers import LayerCheck
 from infercourse.ops.prefill_probe import cold_forecast, cold_text, curve_lengths, probe_curve
 
@@ -98,15 +99,6 @@ def shape_from_capture(out: str | Path, agent: str) -> dict[str, Any]:
             "first_request": {"prompt_tokens": _server_count(first), "max_tokens": first["tags"].get("max_tokens"),
                               "bytes": first["tags"]["body_bytes"], "fields": sorted(body),
                               "parts": kinds, "tokenizer": "SmolLM2-135M (the embedded model)"}}
-
-
-def _messages(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
-    r = httpx.post(url + "/v1/messages", json=body, timeout=timeout,
-                   headers={"x-api-key": "dummy", "anthropic-version": "2023-06-01"})
-    try:
-        return r.status_code, r.json()
-    except ValueError:
-        return r.status_code, {"error": {"message": r.text[:300]}}
 
 
 def _usage(doc: dict[str, Any]) -> tuple[int | None, int | None]:

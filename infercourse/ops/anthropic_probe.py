@@ -36,7 +36,7 @@ from infercourse.core.errors import InferCourseError
 from infercourse.core.types import Request
 from infercourse.ops.layers import NEXT_STEP, LayerCheck, LayerReport
 
-__all__ = ["EXPECTED_EVENTS", "PROBE_TOOL", "probe_messages", "grade_messages", "with_anthropic",
+__all__ = ["EXPECTED_EVENTS", "PROBE_TOOL", "post_messages", "probe_messages", "grade_messages", "with_anthropic",
            "PROXY_HINT", "cache_buster_check", "tool_check"]
 
 EXPECTED_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
@@ -54,6 +54,19 @@ _RANK = {"skip": 0, "ok": 1, "warn": 2, "fail": 3}
 # a model whose template has no tools ("... does not support tools")
 _TOOLS_REFUSED = re.compile(r"requires --jinja|--enable-auto-tool-choice|--tool-call-parser|"
                             r"does not support tools", re.I)
+
+
+def post_messages(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
+    """One non-streamed `POST /v1/messages` with a dummy key (a local server checks none):
+    (HTTP status, the JSON answer, or {"error": {"message": the text}} where it is not JSON).
+    The doctors' probes and a captured session's replay send through it."""
+    import httpx
+    r = httpx.post(url.rstrip("/") + "/v1/messages", json=body, timeout=timeout,
+                   headers={"x-api-key": "dummy", "anthropic-version": "2023-06-01"})
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, {"error": {"message": r.text[:300]}}
 
 
 def probe_messages(url: str, *, model: str | None = None, timeout_s: float = 5.0,
