@@ -966,3 +966,18 @@ def test_a_forced_read_closes_a_tool_round_trip_through_the_server(tmp_path):
     assert trip["forced"].notna().sum() == 1 and trip["stop_reason"].iloc[0] == "tool_use"
     assert (trip["tool_results_sent"] > 0).any()
     assert rt.tool_result_rendered(out, ctx=4096)["rendered_tokens"] > 0
+
+
+def test_template_line_names_the_template_and_flags_a_dropped_part(tmp_path, monkeypatch):
+    """Issue 33 §1: a template with no place for a mid-conversation system message dropped
+    2,432 tokens silently (the server counted 10,661 against parts adding up to 12,652)."""
+    from infercourse.lessons import real_agent_tools as rt
+    (tmp_path / "manifest.json").write_text(json.dumps({"engine": {"argv": ["llama-server", "--chat-template-file",
+                                                                            "/x/chatml_tools.jinja"]}}))
+    calls = pd.DataFrame({"request_id": [0], "api": "anthropic", "prompt_tokens": [10_661]})
+    monkeypatch.setattr(rt, "calls_table", lambda out: calls)
+    monkeypatch.setattr(rt, "anatomy", lambda out: [{"request_id": 0, "parts": [{"tokens": 10_220}, {"tokens": 2_432}]}])
+    s = rt.template_line(tmp_path)
+    assert "chatml_tools.jinja" in s and "1,991 fewer: the template dropped" in s
+    calls.loc[0, "prompt_tokens"] = 12_700
+    assert "48 more: the template's markup" in rt.template_line(tmp_path)

@@ -15,6 +15,9 @@ marked as errors), how the server's answer stopped, the server's prompt and eval
 first tool result: that call's body counted twice (`/v1/messages/count_tokens`: no prefill),
 as captured and with the results' text emptied. The difference is what the template rendered
 of the results; none means it dropped them, and the model never saw what its tool returned.
+`template_line(out)` names the template a lab's server ran and sets its count of the first
+call against that call's parts tokenised one by one (a part the template drops shows as a
+server count below the parts' sum).
 """
 from __future__ import annotations
 
@@ -24,10 +27,10 @@ from typing import Any
 
 import pandas as pd
 
-from infercourse.ops.agent_lab import calls_table
+from infercourse.ops.agent_lab import anatomy, calls_table
 from infercourse.ops.agent_stream import GENERATING_APIS
 
-__all__ = ["tool_round_trip", "tool_result_rendered", "tool_sentence"]
+__all__ = ["tool_round_trip", "tool_result_rendered", "tool_sentence", "template_line"]
 
 
 def _blocks(message: dict[str, Any], kind: str) -> list[dict[str, Any]]:
@@ -126,3 +129,25 @@ def tool_sentence(trip: pd.DataFrame, rendered: dict[str, Any]) -> str:
     return line + (f"The template rendered {n:,} tokens of the results' {rendered['result_chars']:,} characters "
                    f"(the server counted {rendered['prompt_tokens']:,} tokens with them, {rendered['results_emptied']:,} "
                    "with their text emptied): the model reads what its tool returned.")
+
+
+def template_line(out: str | Path) -> str:
+    """The chat template a lab run's server ran (its argv in the manifest) and the server's
+    prompt tokens for the first model call against the sum of that call's parts tokenised one
+    by one (the anatomy): the template's markup adds a few tokens per part, and a count below
+    the sum means the template dropped something the agent sent."""
+    argv = json.loads((Path(out) / "manifest.json").read_text()).get("engine", {}).get("argv") or []
+    tpl = (Path(argv[argv.index("--chat-template-file") + 1]).name if "--chat-template-file" in argv
+           else "the model's own (from its file)")
+    calls = calls_table(out)
+    gen = calls[calls["api"].isin(GENERATING_APIS) & calls["prompt_tokens"].notna()]
+    anat = {a["request_id"]: a for a in anatomy(out)}
+    if not len(gen) or int(gen["request_id"].iloc[0]) not in anat:
+        return f"The server ran the chat template {tpl}; no answered call to count against its parts."
+    first = gen.iloc[0]
+    parts = sum(p.get("tokens") or 0 for p in anat[int(first["request_id"])]["parts"])
+    server = int(first["prompt_tokens"])
+    how = (f"{server - parts:,} more: the template's markup around the parts" if server >= parts else
+           f"{parts - server:,} fewer: the template dropped part of what the agent sent")
+    return (f"The server ran the chat template {tpl}. For the first answered call it counted {server:,} prompt "
+            f"tokens; the call's parts tokenised one by one add up to {parts:,} ({how}).")
