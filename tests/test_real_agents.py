@@ -981,3 +981,16 @@ def test_template_line_names_the_template_and_flags_a_dropped_part(tmp_path, mon
     assert "chatml_tools.jinja" in s and "1,991 fewer: the template dropped" in s
     calls.loc[0, "prompt_tokens"] = 12_700
     assert "48 more: the template's markup" in rt.template_line(tmp_path)
+
+
+def test_the_doctor_warns_of_the_agents_own_max_tokens_not_the_labs_cap(tmp_path):
+    """Issue 33 §3: on the 8k server the doctor warned 'max_tokens 64 ... clips it' under a
+    refusal, and from the lab's cap, hiding what the agent's default 32,000 meets."""
+    (tmp_path / "requests.jsonl").write_text(json.dumps(
+        {"prompt_tokens": 10_661, "tags": {"api": "anthropic", "max_tokens": 64, "body_bytes": 5}}) + "\n")
+    shape = agent_doctor.agent_shape("claude-code", tmp_path)
+    assert shape["max_tokens"] == 32000 and shape["captured_max_tokens"] == 64
+    refused = agent_doctor.grade_agent_route({**GOOD, "n_ctx_slot": 8192}, shape)
+    assert not [c for c in refused if "max_tokens" in c.summary]          # the refusal says it all
+    fits = agent_doctor.grade_agent_route({**GOOD, "n_ctx_slot": 24_576}, shape)
+    assert [c for c in fits if "asks for max_tokens 32000" in c.summary]

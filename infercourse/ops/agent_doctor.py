@@ -50,14 +50,17 @@ DEFAULT_MODELS = {"claude-code": ("claude-sonnet-4-6", "claude-haiku-4-5"), "cod
 
 def agent_shape(agent: str, capture: str | Path | None = None) -> dict[str, Any]:
     """The agent's first request in numbers: prompt tokens, max_tokens, bytes. From a lab
-    capture when given (its first generating call), else from `data/agent_shapes.json`."""
+    capture when given (its first generating call; max_tokens stays the agent's own default
+    from `data/agent_shapes.json`, not the cap the lab set, so the doctor warns as it would
+    for a learner's agent), else from that file."""
     if capture is not None:
         for line in (Path(capture) / "requests.jsonl").read_text().splitlines():
             row = json.loads(line)
             tags = row.get("tags", {})
             if tags.get("api") in ("anthropic", "openai-responses") and row.get("prompt_tokens"):
-                return {"source": str(capture), "prompt_tokens": row["prompt_tokens"],
-                        "max_tokens": tags.get("max_tokens"), "bytes": tags.get("body_bytes")}
+                own = agent_shape(agent).get("max_tokens") if agent in json.loads(SHAPES.read_text()) else None
+                return {"source": str(capture), "prompt_tokens": row["prompt_tokens"], "captured_max_tokens":
+                        tags.get("max_tokens"), "max_tokens": own or tags.get("max_tokens"), "bytes": tags.get("body_bytes")}
         raise InferCourseError(f"{capture}: no generating call with a prompt size in this capture")
     shapes = json.loads(SHAPES.read_text())
     if agent not in shapes:
@@ -181,7 +184,7 @@ def grade_agent_route(ev: dict[str, Any], shape: dict[str, Any], *, timeout_s: f
         out.append(_check("context", "ok", f"first request {first} of {n_ctx} tokens; {n_ctx - first} left",
                           first_prompt=first, n_ctx_slot=n_ctx))
     asked = shape.get("max_tokens")
-    if n_ctx and asked and first + asked > n_ctx:
+    if n_ctx and asked and first < n_ctx and first + asked > n_ctx:   # (a refused request: its failure says it)
         out.append(_check("context", "warn", f"the agent asks for max_tokens {asked}, the window leaves "
                           f"{max(0, n_ctx - first)}: the server clips it and a long answer ends with "
                           "stop_reason max_tokens, silently cut", max_tokens=asked))
