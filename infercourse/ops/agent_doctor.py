@@ -244,7 +244,7 @@ def server_fix(agent: str, ev: dict[str, Any], shape: dict[str, Any], min_output
            "under its compaction line: it compacts after a step or two, or at every call")
     flags, train = f"-c {need} -np 1", ev.get("n_ctx_train")
     if train and need > train:
-        ext = " ".join(EXTEND_CONTEXT(need, train)).replace("llama.context_length", "ARCH.context_length")
+        ext = " ".join(EXTEND_CONTEXT(need, train, arch="ARCH"))
         flags += (f" {ext}   (ARCH: the model's general.architecture, llama for SmolLM2; past the {train:,} "
                   f"tokens it was trained on, a quality cost: notebook 20 measures it)")
     return f"server: {why}; start llama-server with a slot window of at least {need:,} tokens: {flags}"
