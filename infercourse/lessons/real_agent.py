@@ -37,8 +37,8 @@ import pandas as pd
 from infercourse.ops import agents, netns
 from infercourse.ops.agent_anatomy import embedded_counter
 from infercourse.ops.agent_capture import GENERATING_APIS
-from infercourse.ops.agent_lab import (EXTEND_CONTEXT, extend_flags, LabSpec, Task, anatomy, calls_table, refused_size, run_lab,
-                                       tasks_table)
+from infercourse.ops.agent_lab import (EXTEND_CONTEXT, LabSpec, Task, anatomy, calls_table, extend_flags, refused_size,
+                                       run_lab, tasks_table)
 
 __all__ = ["SIZES", "SHORT_ANSWER", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
            "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes",
@@ -326,8 +326,9 @@ def told_env(plan: dict[str, int]) -> dict[str, str]:
 
 def doctor_on_fresh_server(ctx: int, capture: str | Path, *, threads: int = 1, model: str | None = None,
                            agent: str = "claude-code") -> str:
-    """`doctor agent` against a new llama-server of `ctx` tokens (extended past the model's trained context), sized by
-    the captured first request in `capture`: the checks and the settings it prints."""
+    """`doctor agent` against a new llama-server of `ctx` tokens (extended past the model's
+    trained context), sized by the captured first request in `capture`: the checks and the
+    settings it prints."""
     from infercourse.measure.workloads import DATA_DIR
     from infercourse.ops.agent_doctor import agent_shape, grade_agent_route, probe_agent_route, report
     from infercourse.servers import LlamaServer

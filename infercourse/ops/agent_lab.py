@@ -46,8 +46,8 @@ from typing import Any, Callable
 from infercourse.core.errors import AgentLayerError
 from infercourse.ops import netns
 
-__all__ = ["Task", "LabSpec", "run_lab", "first_tool_forcer", "EXTEND_CONTEXT", "extend_flags", "trained_context", "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size",
-           "network_line"]
+__all__ = ["Task", "LabSpec", "run_lab", "first_tool_forcer", "EXTEND_CONTEXT", "extend_flags", "trained_context",
+           "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size", "network_line"]
 
 
 def EXTEND_CONTEXT(ctx: int, trained: int = 8192, arch: str = "llama") -> list[str]:
