@@ -153,7 +153,7 @@ def test_agent_proxy_cli_records_until_its_duration(tmp_path, capsys):
                            "--duration", "3"]) == 0
         t.join()
     printed = capsys.readouterr().out
-    assert got and f"at http://127.0.0.1:{port}" in printed and "1 calls (0 failed)" in printed
+    assert got and f"at http://127.0.0.1:{port}" in printed and "1 calls (0 failed)" in printed, printed
 
 
 def test_recorder_cost_against_an_exact_clock():
@@ -231,3 +231,44 @@ def test_back_to_back_calls_share_one_connection_upstream(monkeypatch):
             got = [httpx.get(px.url + f"/v1/models?n={i}").status_code for i in range(5)]
         srv.shutdown()
     assert got == [200] * 5 and len(conns) == 1
+
+
+def test_the_recorder_ends_on_ctrl_c_even_started_with_sigint_ignored(tmp_path):
+    """A shell's background job starts with SIGINT ignored, and Python keeps it so: the recorder
+    ignored Ctrl-C, and `recorder_process` waited 60 s for it, then killed it, its tables unprinted
+    (the recorder-cost test took 61 s inside a backgrounded `make test`)."""
+    import signal
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)     # what the child inherits, as from `cmd &`
+    try:
+        with SSESource() as src, recorder_cost.recorder_process(src.url, tmp_path) as url:
+            assert url.startswith("http://127.0.0.1:")
+    finally:
+        signal.signal(signal.SIGINT, before)
+    log = (tmp_path / "recorder.log").read_text()
+    assert "results:" in log, log[-500:]          # it ended through its own report, not a kill
+
+
+def test_a_call_made_while_the_session_folder_is_written_is_recorded(tmp_path, monkeypatch):
+    """The recorder listens before its run's folder exists (the manifest reads the machine, for
+    seconds); an agent that calls at once had its call answered and never written (the proxy
+    CLI's test lost it now and then). Such a call is held, then written first."""
+    from infercourse.measure import results
+    listening, called = threading.Event(), threading.Event()
+    real = results.RunWriter.__init__
+
+    def slow_init(self, *a, **k):
+        listening.set()
+        called.wait(30)
+        real(self, *a, **k)
+    monkeypatch.setattr(results.RunWriter, "__init__", slow_init)
+    with SSESource() as src:
+        rec = agent_session.SessionRecorder(src.url, tmp_path / "s")
+        t = threading.Thread(target=rec.start)
+        t.start()
+        assert listening.wait(30)
+        assert _stream(rec.proxy.url, "main", "hi") > 0      # answered while the folder is not there yet
+        called.set()
+        t.join(30)
+        rec.stop()
+    lines = (tmp_path / "s" / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 1

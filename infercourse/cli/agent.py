@@ -30,6 +30,7 @@ Ctrl-C ends it, and `report` reads it back.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -88,10 +89,18 @@ def _proxy(a: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     if why:
         p.error(why)
     rec = SessionRecorder(a.upstream, a.out or results_dir("agent-session"), port=a.port, allow_remote=a.allow_remote)
-    with rec:
-        print(f"recording {a.upstream} at {rec.url}: point your agent's base URL there (with /v1 where it wants "
-              f"one); Ctrl-C ends the session. Bodies go to {rec.out / 'bodies'} and stay there.", flush=True)
-        rec.wait(a.duration)
+    # Ctrl-C ends the session even where the shell started it with SIGINT ignored (a background
+    # job, nohup, a test run in one): Python leaves an ignored SIGINT ignored, and it would never end
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with rec:
+            print(f"recording {a.upstream} at {rec.url}: point your agent's base URL there (with /v1 where it "
+                  f"wants one); Ctrl-C ends the session. Bodies go to {rec.out / 'bodies'} and stay there.", flush=True)
+            rec.wait(a.duration)
+    except KeyboardInterrupt:
+        pass                  # Ctrl-C before the wait began ends the session the same way
+    finally:
+        signal.signal(signal.SIGINT, before)
     _print_tables(rec.out)
     return 0
 

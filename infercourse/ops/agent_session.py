@@ -25,6 +25,7 @@ one) with the main-prompt tokens evaluated again after them; `totals_sentence` w
 """
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,14 @@ class SessionRecorder:
         from infercourse.measure.results import MANIFEST, RunWriter
         if (self.out / MANIFEST).exists():   # before listening: an agent must not reach a recorder that fails
             raise FileExistsError(f"{self.out} already holds a run; results are append-only, pick a new folder")
+        # an agent may call the moment the port listens, while the run's folder is still being written
+        # (its manifest reads the machine: seconds): those calls are held, then written first, in order
+        held, lock, sink = [], threading.Lock(), {"to": None}
+
+        def on_call(tr: Any) -> None:
+            with lock:
+                (sink["to"] or held.append)(tr)
+        self.proxy.on_call = on_call
         self.proxy.start()
         host = httpx.URL(self.upstream).host
         manifest = {"label": self.out.name, "engine": {"server": "the learner's own (upstream)", "url": self.upstream},
@@ -90,7 +99,10 @@ class SessionRecorder:
             self.proxy.stop()          # a folder that already holds a run: nothing may listen
             raise
         self.writer.start_thread()             # calls end on the proxy's threads: one writer thread appends them
-        self.proxy.on_call = self.writer.submit
+        with lock:
+            for tr in held:
+                self.writer.submit(tr)
+            sink["to"] = self.writer.submit
         return self
 
     def stop(self) -> Path:
