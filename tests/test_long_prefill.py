@@ -9,6 +9,7 @@ import pytest
 from infercourse.lessons import long_prefill as lp
 from infercourse.lessons import long_prefill_claims as lpc
 from infercourse.measure.prefill_curve import PrefillFit
+from infercourse.ops.agent_lab import extend_flags
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 AT = (1024, 2048, 4096)
@@ -153,13 +154,13 @@ def test_plot_curve_draws_every_arm_and_the_extrapolation():
 def test_configs_build_the_flags_and_compare_at_must_be_measured():
     assert lp.PrefillConfig("x", flash_attn="off", ubatch=4096, batch=2048).args() == \
         ["-fa", "off", "-ub", "4096", "-b", "4096"]
-    assert lp.context_flags(4096) == []
+    assert extend_flags(4096) == []
     assert 6000 < lp.model_crossover_tokens() < 6300          # SmolLM2-135M's FLOP crossover
     # by FLOPs alone the rate at n falls as 1 / (1 + n / n*): at n* it is half the rate near 0
     n_star = lp.model_crossover_tokens()
     assert lp.flop_rate_ratio(1, n_star) == pytest.approx((1 + 1 / n_star) / 2)
     assert lp.flop_rate_ratio(512, 16384) == pytest.approx((1 + 512 / n_star) / (1 + 16384 / n_star))
-    ext = lp.context_flags(16640)
+    ext = extend_flags(16640)
     assert "llama.context_length=int:16640" in ext and ext[ext.index("--yarn-orig-ctx") + 1] == "8192"
     with pytest.raises(ValueError, match="compare_at"):
         lp.prefill_curve_run((128, 256, 512), (1024,))

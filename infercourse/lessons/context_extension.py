@@ -26,10 +26,9 @@ def extension_cost(ctx: int, trained: int | None = None, model: str | None = Non
     length, and the architecture whose metadata is overridden, read from the model's file."""
     import llama_cpp
 
-    from infercourse.ops.agent_lab import trained_context
-
     from infercourse.measure.workloads import eval_text
     from infercourse.models.quality import token_nlls
+    from infercourse.ops.agent_lab import trained_context
     arch, own = trained_context(None if model is None else str(model))
     trained = int(trained or own or 8192)
     text = " ".join(eval_text().split()[:n_words])

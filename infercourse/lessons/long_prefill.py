@@ -51,7 +51,7 @@ from infercourse.models.modelcard import model_card
 from infercourse.ops.agent_lab import extend_flags
 from infercourse.servers import LlamaServer
 
-__all__ = ["PrefillConfig", "REFERENCE", "CONFIGS", "SIZES", "context_flags", "model_crossover_tokens",
+__all__ = ["PrefillConfig", "REFERENCE", "CONFIGS", "SIZES", "model_crossover_tokens",
            "flop_rate_ratio", "length_prompts", "measure_point", "prefill_curve_run", "prefill_at", "plot_curve"]
 
 
@@ -84,12 +84,6 @@ SIZES = {"full": {"lengths": (512, 1024, 2048, 4096, 8192, 16384), "compare_at":
 _card = functools.lru_cache(maxsize=4)(model_card)   # reading a GGUF's header takes seconds: once per model
 
 
-def context_flags(ctx: int, model: str | Path | None = None) -> list[str]:
-    """llama-server flags that serve `ctx` tokens past the model's trained context (none
-    within it): notebook 20's `extend_flags`, for the model's own architecture."""
-    return extend_flags(ctx, model)
-
-
 def model_crossover_tokens(model: str | Path | None = None, *, full_block: bool = False) -> float:
     """`flop_crossover_tokens` for a model's card: all parameters but the embedding table."""
     c = _card(model)
@@ -120,7 +114,7 @@ def measure_point(config: PrefillConfig, n: int, prompt: str, *, ctx: int, model
 
     Args:
         config: the prefill settings; n, prompt: the length asked and its prompt (`length_prompts`).
-        ctx: the slot's window; extra_args: more server flags (`context_flags`).
+        ctx: the slot's window; extra_args: more server flags (`ops.agent_lab.extend_flags`).
         threads: llama-server `-t` (None: its own choice); label: the arm's name.
         results_root: folder for the bench run (manifest + the request's line).
     """
@@ -174,7 +168,7 @@ def prefill_curve_run(lengths: Sequence[int] = SIZES["full"]["lengths"],
         raise ValueError(f"compare_at {sorted(compare_at)} must be among lengths {sorted(lengths)}")
     t0, busy = time.perf_counter(), noise.contention()
     ctx = -(-(max(lengths) + 256) // 256) * 256     # the longest prompt, its one token, and slack
-    extra = context_flags(ctx, model)
+    extra = extend_flags(ctx, model)
     prompts = length_prompts(lengths, model, seed)
     ref, *alts = configs
     rng, rows, slot = np.random.default_rng(seed), [], 0

@@ -29,6 +29,7 @@ import pandas as pd
 
 from infercourse.ops.agent_lab import anatomy, calls_table
 from infercourse.ops.agent_stream import GENERATING_APIS
+from infercourse.ops.anthropic_probe import post_messages
 
 __all__ = ["tool_round_trip", "tool_result_rendered", "tool_sentence", "template_line"]
 
@@ -66,11 +67,9 @@ def tool_round_trip(out: str | Path) -> pd.DataFrame:
 
 
 def _count(url: str, doc: dict[str, Any]) -> int | None:
-    import httpx
-    r = httpx.post(url + "/v1/messages/count_tokens", timeout=120,
-                   json={k: doc[k] for k in ("model", "system", "tools", "messages") if k in doc},
-                   headers={"x-api-key": "dummy", "anthropic-version": "2023-06-01"})
-    return r.json().get("input_tokens") if r.status_code == 200 else None
+    status, answer = post_messages(url, {k: doc[k] for k in ("model", "system", "tools", "messages") if k in doc},
+                                   120, route="/v1/messages/count_tokens")
+    return answer.get("input_tokens") if status == 200 else None
 
 
 def tool_result_rendered(out: str | Path, *, model: str | Path | None = None, template: str | Path | None = None,

@@ -53,16 +53,16 @@ def agent_shape(agent: str, capture: str | Path | None = None) -> dict[str, Any]
     capture when given (its first generating call; max_tokens stays the agent's own default
     from `data/agent_shapes.json`, not the cap the lab set, so the doctor warns as it would
     for a learner's agent), else from that file."""
+    shapes = json.loads(SHAPES.read_text())
     if capture is not None:
         for line in (Path(capture) / "requests.jsonl").read_text().splitlines():
             row = json.loads(line)
             tags = row.get("tags", {})
             if tags.get("api") in ("anthropic", "openai-responses") and row.get("prompt_tokens"):
-                own = agent_shape(agent).get("max_tokens") if agent in json.loads(SHAPES.read_text()) else None
+                own = shapes.get(agent, {}).get("first_request", {}).get("max_tokens")
                 return {"source": str(capture), "prompt_tokens": row["prompt_tokens"], "captured_max_tokens":
                         tags.get("max_tokens"), "max_tokens": own or tags.get("max_tokens"), "bytes": tags.get("body_bytes")}
         raise InferCourseError(f"{capture}: no generating call with a prompt size in this capture")
-    shapes = json.loads(SHAPES.read_text())
     if agent not in shapes:
         raise InferCourseError(f"no shape for agent {agent!r} in {SHAPES}; one of {sorted(shapes)}")
     s = shapes[agent]["first_request"]

@@ -76,12 +76,14 @@ class SessionRecorder:
         if (self.out / MANIFEST).exists():   # before listening: an agent must not reach a recorder that fails
             raise FileExistsError(f"{self.out} already holds a run; results are append-only, pick a new folder")
         # an agent may call the moment the port listens, while the run's folder is still being written
-        # (its manifest reads the machine: seconds): those calls are held, then written first, in order
-        held, lock, sink = [], threading.Lock(), {"to": None}
+        # (its manifest reads the machine: seconds): the proxy's one recording thread waits for it, so
+        # those calls are written first, in order
+        ready = threading.Event()
 
         def on_call(tr: Any) -> None:
-            with lock:
-                (sink["to"] or held.append)(tr)
+            ready.wait()
+            if self.writer is not None:
+                self.writer.submit(tr)
         self.proxy.on_call = on_call
         self.proxy.start()
         host = httpx.URL(self.upstream).host
@@ -96,13 +98,11 @@ class SessionRecorder:
         try:
             self.writer = RunWriter(self.out, manifest)
         except BaseException:
+            ready.set()                # (nothing to write them to: the recording thread lets them go)
             self.proxy.stop()          # a folder that already holds a run: nothing may listen
             raise
         self.writer.start_thread()             # calls end on the proxy's threads: one writer thread appends them
-        with lock:
-            for tr in held:
-                self.writer.submit(tr)
-            sink["to"] = self.writer.submit
+        ready.set()
         return self
 
     def stop(self) -> Path:

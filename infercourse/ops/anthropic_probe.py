@@ -56,12 +56,14 @@ _TOOLS_REFUSED = re.compile(r"requires --jinja|--enable-auto-tool-choice|--tool-
                             r"does not support tools", re.I)
 
 
-def post_messages(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
-    """One non-streamed `POST /v1/messages` with a dummy key (a local server checks none):
-    (HTTP status, the JSON answer, or {"error": {"message": the text}} where it is not JSON).
-    The doctors' probes and a captured session's replay send through it."""
+def post_messages(url: str, body: dict[str, Any], timeout: float,
+                  route: str = "/v1/messages") -> tuple[int, dict[str, Any]]:
+    """One non-streamed `POST /v1/messages` (or `route`: /v1/messages/count_tokens) with a
+    dummy key (a local server checks none): (HTTP status, the JSON answer, or {"error":
+    {"message": the text}} where it is not JSON). The doctors' probes, a captured session's
+    replay and its tool results' count send through it."""
     import httpx
-    r = httpx.post(url.rstrip("/") + "/v1/messages", json=body, timeout=timeout,
+    r = httpx.post(url.rstrip("/") + route, json=body, timeout=timeout,
                    headers={"x-api-key": "dummy", "anthropic-version": "2023-06-01"})
     try:
         return r.status_code, r.json()
