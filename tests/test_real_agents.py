@@ -448,17 +448,19 @@ def test_claude_window_limits_follow_the_pinned_arithmetic():
 def test_compaction_plan_sizes_the_window_and_its_sentence_flips(monkeypatch):
     monkeypatch.setattr(ra, "session_pastes", lambda turns, n: ["w " * n] * turns)
     up = lambda n: -(-n // 256) * 256   # noqa: E731 - the server's cache steps
-    big = ra.compaction_plan(800, 6, 4000, max_output=64, room=1000, count=words)
-    # as is, the session outgrows the window halfway through its last paste
-    assert big["window"] == up(800 + 5 * 4000 + 2000) and big["last_turn"] > big["window"]
-    assert big["compacts_above"] == big["window"] - 13064 > big["first_turn"]
+    big = ra.compaction_plan(800, 6, 4000, max_output=64, growth=4000, count=words)
+    # the window is sized from the line: first turn + growth, plus the agent's reserves
+    assert big["window"] == up(800 + 4000 + 4000 + 13064)
+    assert big["first_turn"] + 4000 <= big["compacts_above"] < big["first_turn"] + 4000 + 256
+    assert big["last_turn"] == 800 + 6 * 4000 > big["window"]
     s = rc.plan_sentence(big)
     assert "outgrows the server in its last turn" in s and "compacts once the session has grown" in s
-    # short pastes: the window is set by the told agent's refusal limit, above the whole session
-    small = ra.compaction_plan(800, 2, 200, max_output=64, room=1000, count=words)
-    assert small["window"] == up(800 + 200 + 1000 + 3064) and small["refuses_above"] >= 2000
+    # short pastes: as is, the session stays inside the window; told, it compacts after 100 tokens
+    small = ra.compaction_plan(800, 2, 200, max_output=64, growth=100, count=words)
+    assert small["window"] == up(800 + 200 + 100 + 13064) and small["compacts_above"] >= 1100
     s = rc.plan_sentence(small)
-    assert "does not outgrow this server" in s and "compacts at every call" in s
+    assert "does not outgrow this server" in s and "compacts once the session has grown" in s
+    assert "compacts at every call" in rc.plan_sentence({**small, "compacts_above": 900})
     assert "refuses to send at all" in rc.plan_sentence({**small, "refuses_above": 900})
     assert ra.told_env(big) == {"CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(big["window"])}
 
@@ -561,10 +563,11 @@ def test_each_task_ends_in_the_agents_own_words():
 def test_the_compaction_sentence_reports_each_turns_end_in_the_agents_words(monkeypatch):
     as_is, told = _two_sessions(monkeypatch)
     told = told.iloc[:-1].assign(agent_said=lambda d: d["turn"].map(
-        {"t0": "api_error: cap", "t1": "completed", "t2": "completed", "t3": "completed"}))
+        {"t0": "api_error: API Error: Claude's response exceeded the 64 output token maximum. To configure th",
+         "t1": "completed", "t2": "api_error: stream disconnected", "t3": "completed"}))
     s = rc.compaction_sentence(as_is, told, 9000)
-    assert "in the agent's words: t0 api_error: cap, t1 completed, t2 completed, t3 completed" in s
-    assert re.search(r"\bagent compacted \(yet 1 of its turns did not complete\)", s)
+    assert "in the agent's words: t0 api_error (the answer cap), t1 completed, t2 api_error, t3 completed." in s
+    assert re.search(r"\bagent compacted \(yet 2 of its turns did not complete\)", s)
     done = told.assign(agent_said="completed")
     assert "did not complete" not in rc.compaction_sentence(as_is, done, 9000)
 
@@ -994,3 +997,46 @@ def test_the_doctor_warns_of_the_agents_own_max_tokens_not_the_labs_cap(tmp_path
     assert not [c for c in refused if "max_tokens" in c.summary]          # the refusal says it all
     fits = agent_doctor.grade_agent_route({**GOOD, "n_ctx_slot": 24_576}, shape)
     assert [c for c in fits if "asks for max_tokens 32000" in c.summary]
+
+
+def test_a_replay_stops_after_the_rewrite_it_was_asked_for(tmp_path, monkeypatch):
+    """Issue 33 §5: each replayed call after the first rewrite is another prefill that shows
+    nothing new; `through_rewrites` ends the replay at that call, and a session with fewer
+    rewrites is replayed whole."""
+    import infercourse.servers as servers
+    n, flags = 6, [False, False, True, False, True, False]
+    (tmp_path / "bodies").mkdir()
+    for i in range(n):
+        (tmp_path / "bodies" / f"{i:03d}.json").write_text(json.dumps({"messages": [], "max_tokens": 64}))
+    calls = pd.DataFrame({"request_id": range(n), "task": "t", "api": "anthropic", "path": "/v1/messages"})
+    monkeypatch.setattr(rs, "calls_table", lambda out: calls)
+    monkeypatch.setattr(rs, "_rewrites", lambda gen, out: gen.assign(rewrote_history=flags[:len(gen)]))
+    sent = []
+
+    class Server:
+        url = "http://127.0.0.1:1"
+        def __init__(self, *a, **k): pass
+        def __enter__(self): return self
+        def __exit__(self, *a): return False
+    monkeypatch.setattr(servers, "LlamaServer", Server)
+    monkeypatch.setattr(rs, "post_messages", lambda url, body, timeout: sent.append(body) or (
+        200, {"usage": {"input_tokens": 10, "cache_read_input_tokens": 90}}))
+    first = rs.replay_session(tmp_path, through_rewrites=1)
+    assert list(first["request_id"]) == [0, 1, 2] and first["rewrote_history"].iloc[-1]
+    assert all(b["max_tokens"] == 1 and b["stream"] is False for b in sent)
+    assert list(rs.replay_session(tmp_path, through_rewrites=2)["request_id"]) == [0, 1, 2, 3, 4]
+    assert len(rs.replay_session(tmp_path, through_rewrites=3)) == n == len(rs.replay_session(tmp_path))
+
+
+def test_the_first_request_at_another_size_is_measured_once(tmp_path, monkeypatch):
+    """Issue 33 §5: the clip and the sessions run at the agent's small configuration; their first
+    request is measured at that size (one fresh lab run, shared), and read from A cold where the
+    main run had that size."""
+    ra.first_tokens_at.cache_clear()
+    runs = []
+    monkeypatch.setattr(ra, "first_request_tokens", lambda root, tools, size, **kw: runs.append((tools, size)) or 1033.0)
+    monkeypatch.setattr(ra, "evaluated_by_task", lambda main: pd.DataFrame({"prompt_tokens": [13341]}, index=["A cold"]))
+    assert ra.first_tokens_at(tmp_path, "ci", "main", "full", ctx=4096) == 1033
+    assert ra.first_tokens_at(tmp_path, "ci", "main", "full", ctx=4096) == 1033 and runs == [("Read", "ci")]
+    assert ra.first_tokens_at(tmp_path, "full", "main", "full", ctx=4096) == 13341 and len(runs) == 1
+    ra.first_tokens_at.cache_clear()

@@ -10,16 +10,13 @@ stand-in does not:
   message), their tokens, and how close the stand-in's shape is;
 - **the overflow**: the default server's window is smaller than the first request (a window
   that fits, past the model's trained length, costs quality: `context_extension`);
-- **cold against warm**: the same task again reuses the whole prefix;
-- **the per-task header**: the billing header's version suffix depends on the task, so a
-  second task re-prefills everything unless `CLAUDE_CODE_ATTRIBUTION_HEADER=0`;
+- **cold against warm**: the same task again reuses the whole prefix; **the per-task header**
+  (its version suffix follows the task) re-prefills a new task unless turned off;
 - **max_tokens against the window**: the agent asks for 32,000; the server clips the answer
   at the window, and the agent's attempt to continue it overflows;
-- **compaction**: the agent assumes a 1,000,000-token window for a model it does not know,
-  so a session grows until the server refuses it, unless `CLAUDE_CODE_MAX_CONTEXT_TOKENS`
-  tells it the real window (`CLAUDE_CODE_AUTO_COMPACT_WINDOW` cannot: this version reads a
-  value under 100,000 as 100,000); whether it then compacts, and what the prompt does after,
-  is read from the captured calls (`real_agent_session.session_view`);
+- **compaction**: the agent assumes a 1,000,000-token window for a model it does not know, so
+  a session grows until the server refuses it, unless `CLAUDE_CODE_MAX_CONTEXT_TOKENS` tells it
+  the real window; whether it then compacts is read from the calls (`real_agent_session`);
 - **retry amplification**: a client timeout shorter than a cold prefill re-sends the whole
   request, and the server may pay for the prefill again each time.
 
@@ -29,6 +26,7 @@ sentences that state what a run showed are computed from these tables in `real_a
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +39,10 @@ from infercourse.ops.agent_lab import (EXTEND_CONTEXT, LabSpec, Task, anatomy, c
                                        run_lab, tasks_table)
 
 __all__ = ["SIZES", "SHORT_ANSWER", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
-           "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes",
-           "growing_session", "compaction_plan", "told_env", "doctor_on_fresh_server", "calls_table", "tasks_table",
-           "EXTEND_CONTEXT", "extend_flags", "first_request_tokens",
-           "LONG_ANSWER", "clip_lab", "clipped_output_tokens", "TOOL_TASK", "TOOL_ANSWER", "tool_task"]
+           "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes", "growing_session",
+           "compaction_plan", "first_tokens_at", "told_env", "doctor_on_fresh_server", "calls_table", "tasks_table",
+           "EXTEND_CONTEXT", "extend_flags", "first_request_tokens", "LONG_ANSWER", "clip_lab", "clipped_output_tokens",
+           "TOOL_TASK", "TOOL_ANSWER", "tool_task"]
 
 SHORT_SYSTEM = "You are a coding assistant. Answer in one short sentence."
 # The two sizes: "full" sends the agents' own requests; "ci" shrinks them with the agents' own
@@ -138,7 +136,7 @@ def _first_call(out: str | Path) -> pd.Series:
     return gen.iloc[0]
 
 
-def first_request_tokens(root: str | Path, tools: str, size: str, *, ctx: int, threads: int = 1,
+def first_request_tokens(root: str | Path, tools: str | None, size: str, *, ctx: int, threads: int = 1,
                          model: str | None = None, timeout_s: float = 900, name: str = "tools") -> float:
     """Prompt tokens of Claude Code's first request for a one-line task when it is given only
     `tools`, run in the sealed lab on a fresh server (`lab`): the server's usage, or, where
@@ -146,13 +144,13 @@ def first_request_tokens(root: str | Path, tools: str, size: str, *, ctx: int, t
 
     Args:
         root: the results folder (the run goes to a new `name-k` folder in it).
-        tools: Claude Code's `--tools` value, e.g. "Read,Bash" ("": no tools).
+        tools: Claude Code's `--tools` value, e.g. "Read,Bash" ("": no tools; None: its own list).
         size: "full" or "ci" (`SIZES`; `tools` replaces the size's own list).
         ctx: the server's window (extended with YaRN past the model's trained context).
         threads, model, timeout_s: as `lab` and `claude_task` take them.
     """
-    task = claude_task(f"tools {tools or 'none'}", "Say hello.", size, env=SHORT_ANSWER, timeout_s=timeout_s,
-                       tools=tools)
+    label = f"tools {'all' if tools is None else tools or 'none'}"
+    task = claude_task(label, "Say hello.", size, env=SHORT_ANSWER, timeout_s=timeout_s, tools=tools)
     first = _first_call(lab(root, _unused(root, name), [task], ctx=ctx, threads=threads, model=model))
     n = first.get("prompt_tokens")
     return float(n) if pd.notna(n) else refused_size(first.get("error"))
@@ -217,7 +215,7 @@ LONG_ANSWER = "Count from 1 to 400, one number per line."   # an answer longer t
 def clip_lab(root: str | Path, first: int, room: int, size: str, *, threads: int = 1, model: str | None = None,
              timeout_s: float = 900, name: str = "clip") -> Path:
     """The clipped-answer run: one long-answer task on a fresh server sized to leave `room`
-    tokens after the agent's first request (`first` tokens, the main run's); its folder."""
+    tokens after the agent's first request at `size` (`first` tokens: `first_tokens_at`); its folder."""
     task = claude_task("long answer", LONG_ANSWER, size, timeout_s=timeout_s)
     return lab(root, name, [task], ctx=first + room, threads=threads, model=model)
 
@@ -293,30 +291,39 @@ def growing_session(size: str, turns: int, paste_words: int, env: dict[str, str]
                         session="session", resume=k > 0) for k, paste in enumerate(session_pastes(turns, paste_words))]
 
 
-def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_output: int, room: int,
+def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_output: int, growth: int,
                     count=None) -> dict[str, int]:
     """The server window for the growing session, and the pinned agent's limits told it.
 
     Args:
-        first_tokens: a one-line task's first request, measured (each turn adds its paste,
-            counted by the embedded model's tokenizer, and an answer).
+        first_tokens: a one-line task's first request at the session's size (`first_tokens_at`; each
+            turn adds its paste, counted by the embedded model's tokenizer, and an answer).
         max_output: the agents' answer cap (CLAUDE_CODE_MAX_OUTPUT_TOKENS).
-        room: tokens left above the first turn, under the told agent's refusal limit.
+        growth: tokens the session grows past its first turn before the told agent compacts.
 
-    The window is the larger of the size the session reaches halfway through its last paste
-    (as is, it outgrows the server there) and the smallest window on which the told agent
-    still sends its first turn (`agents.claude_window_limits`); when the second is larger, the
-    session as is may never outgrow it. Where the told agent's compaction threshold falls is
-    what it is: below the first turn on a window under the agent's reserves (then it compacts
-    at every call), above it on a larger one."""
+    The told agent compacts a prompt past window - min(cap, 20,000) - 13,000
+    (`agents.claude_window_limits`), so the window is sized from the line: the first turn plus
+    `growth`, plus the agent's reserves (rounded up to llama-server's steps of 256). Whether the
+    session as is outgrows it is what the pastes make it (`last_turn` against `window`;
+    `real_agent_claims.plan_sentence` says which)."""
     count = count or embedded_counter()
     pastes = [count(p) for p in session_pastes(turns, paste_words)]
     first_turn = first_tokens + pastes[0]
-    reserve = min(max_output, agents.CLAUDE_OUTPUT_RESERVE_CAP) + agents.CLAUDE_BLOCKING_BUFFER
-    window = max(first_tokens + sum(pastes[:-1]) + pastes[-1] // 2, first_turn + room + reserve)
+    window = first_turn + growth + agents.CLAUDE_COMPACT_BUFFER + min(max_output, agents.CLAUDE_OUTPUT_RESERVE_CAP)
     window = -(-window // 256) * 256   # llama-server sizes its cache in steps of 256
     return {**agents.claude_window_limits(window, max_output), "first_turn": first_turn,
             "last_turn": first_tokens + sum(pastes), "paste_tokens": max(pastes)}
+
+
+@functools.lru_cache(maxsize=None)
+def first_tokens_at(root: str | Path, size: str, main: str | Path, main_size: str, *, ctx: int, threads: int = 1,
+                    model: str | None = None, timeout_s: float = 900) -> int:
+    """Claude Code's first request (prompt tokens) at `size`: A cold's in the `main` run if it ran
+    at `size`, else one task at `size` on a fresh server (`first_request_tokens`), once per folder."""
+    if size == main_size:
+        return int(evaluated_by_task(main).loc["A cold", "prompt_tokens"])
+    return int(first_request_tokens(root, SIZES[size]["claude-code"].get("tools"), size, ctx=ctx, threads=threads,
+                                    model=model, timeout_s=timeout_s, name=f"first-{size}"))
 
 
 def told_env(plan: dict[str, int]) -> dict[str, str]:

@@ -139,7 +139,14 @@ def _session_read(v: pd.DataFrame) -> dict[str, Any]:
             "before": before.iloc[-1] if len(before) else float("nan"),
             "after": sent["prompt_tokens"].iloc[first] if first is not None else float("nan"),
             "window": v["agent_window"].max(), "compact_logged": list(turns.loc[turns["compact_logged"], "turn"]),
-            "said": [f"{r.turn} {r.agent_said}" for r in turns.itertuples() if isinstance(getattr(r, "agent_said", None), str)]}
+            "said": [f"{r.turn} {_end(r.agent_said)}" for r in turns.itertuples()
+                     if isinstance(getattr(r, "agent_said", None), str)]}
+
+
+def _end(said: str) -> str:
+    """A turn's end in the agent's words, by kind ("api_error", not the message cut at 100
+    characters), naming the answer cap where it made the error."""
+    return said.split(":")[0] + (" (the answer cap)" if "output token maximum" in said else "")
 
 
 def _session_clause(name: str, r: dict[str, Any]) -> str:

@@ -106,7 +106,8 @@ def session_view(out: str | Path) -> pd.DataFrame:
 
 def replay_session(out: str | Path, *, model: str | Path | None = None, ctx: int = 8192, threads: int | None = 1,
                    swa_full: bool = False, template: str | Path | None = None, max_calls: int | None = None,
-                   server_args: list[str] | tuple[str, ...] = (), timeout_s: float = 1800.0) -> pd.DataFrame:
+                   through_rewrites: int | None = None, server_args: list[str] | tuple[str, ...] = (),
+                   timeout_s: float = 1800.0) -> pd.DataFrame:
     """The captured session's /v1/messages bodies sent again in order (max_tokens 1, not
     streamed) to one fresh llama-server (one slot, no host prompt cache) of `model`; per call:
     prompt tokens, tokens reused and evaluated (the server's own usage), the call's seconds,
@@ -118,6 +119,8 @@ def replay_session(out: str | Path, *, model: str | Path | None = None, ctx: int
         swa_full: llama-server --swa-full (a sliding-window model keeps its whole cache).
         template: a chat template file (None: the model's own).
         max_calls: replay only the first this many calls (a long session on a slow machine).
+        through_rewrites: stop after the call that is this many-th rewrite of the history (the
+            calls after it only repeat what the replay has shown, each at a prefill's price).
         server_args: more llama-server flags (the YaRN flags where `ctx` passes the trained context).
     """
     from infercourse.servers import LlamaServer
@@ -125,6 +128,8 @@ def replay_session(out: str | Path, *, model: str | Path | None = None, ctx: int
     answer = (calls["api"] == "anthropic") & (calls["path"].str.split("?").str[0] == "/v1/messages")
     gen = _rewrites(calls[answer].copy(), out)     # the calls that asked for an answer, not count_tokens
     gen = gen.head(max_calls) if max_calls else gen
+    if through_rewrites and gen["rewrote_history"].sum() >= through_rewrites:
+        gen = gen.iloc[:int(gen["rewrote_history"].cumsum().searchsorted(through_rewrites)) + 1]
     extra = (["--swa-full"] if swa_full else []) + (["--chat-template-file", str(template)] if template else []) \
         + list(server_args)
     rows: list[dict[str, Any]] = []
