@@ -303,14 +303,13 @@ def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_outp
 
     The told agent compacts a prompt past window - min(cap, 20,000) - 13,000
     (`agents.claude_window_limits`), so the window is sized from the line: the first turn plus
-    `growth`, plus the agent's reserves (rounded up to llama-server's steps of 256). Whether the
+    `growth`, plus the agent's reserves (`agents.claude_budget`, the doctor's sizing). Whether the
     session as is outgrows it is what the pastes make it (`last_turn` against `window`;
     `real_agent_claims.plan_sentence` says which)."""
     count = count or embedded_counter()
     pastes = [count(p) for p in session_pastes(turns, paste_words)]
     first_turn = first_tokens + pastes[0]
-    window = first_turn + growth + agents.CLAUDE_COMPACT_BUFFER + min(max_output, agents.CLAUDE_OUTPUT_RESERVE_CAP)
-    window = -(-window // 256) * 256   # llama-server sizes its cache in steps of 256
+    window = agents.claude_budget(first_turn, growth=growth, answer_cap=max_output)["window"]
     return {**agents.claude_window_limits(window, max_output), "first_turn": first_turn,
             "last_turn": first_tokens + sum(pastes), "paste_tokens": max(pastes)}
 

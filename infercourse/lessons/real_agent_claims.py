@@ -24,6 +24,9 @@ def _fold(ratio: float) -> str:
     return f"{r:.0f}x" if r >= 10 else f"{r:.1f}x"
 
 
+_CAPPED = "output token maximum"   # Claude Code's error for an answer cut at CLAUDE_CODE_MAX_OUTPUT_TOKENS
+
+
 def ends_sentence(tab: pd.DataFrame) -> str:
     """How the tasks ended in the agent's own words (`agent_said`, from its own result), counted
     by kind, and how many of those ends the answer cap made: Claude Code reports an answer cut at
@@ -34,10 +37,10 @@ def ends_sentence(tab: pd.DataFrame) -> str:
         tab: `real_agent.evaluated_by_task` (its agent_said column).
     """
     said = tab["agent_said"].fillna("not recorded").astype(str)
-    counts = said.str.split(":").str[0].value_counts()
+    counts = said.map(_kind).value_counts()
     line = (f"In the agent's own words, the {len(tab)} tasks ended: "
             + ", ".join(f"{n} {kind}" for kind, n in counts.items()) + ".")
-    capped = int(said.str.contains("output token maximum").sum())
+    capped = int(said.str.contains(_CAPPED).sum())
     if capped:
         line += (f" {capped} of them ended in the API error the answer cap makes (an answer cut at "
                  "CLAUDE_CODE_MAX_OUTPUT_TOKENS, which the agent tries to continue, then reports as an error); "
@@ -146,7 +149,12 @@ def _session_read(v: pd.DataFrame) -> dict[str, Any]:
 def _end(said: str) -> str:
     """A turn's end in the agent's words, by kind ("api_error", not the message cut at 100
     characters), naming the answer cap where it made the error."""
-    return said.split(":")[0] + (" (the answer cap)" if "output token maximum" in said else "")
+    return _kind(said) + (" (the answer cap)" if _CAPPED in said else "")
+
+
+def _kind(said: str) -> str:
+    """The kind of an end in the agent's words: what precedes its message ("api_error")."""
+    return said.split(":")[0]
 
 
 def _session_clause(name: str, r: dict[str, Any]) -> str:
