@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -49,11 +48,11 @@ def _timed(engine, request, repeats: int) -> float:
         for _ in engine.stream(request):
             pass
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)     # the machine's speed: interference only ever adds time
 
 
-def probe_s(repeats: int = 3) -> float:
-    """Median wall seconds of one fixed request (prefill ~100 tokens, decode 32) on the
+def probe_s(repeats: int = 5) -> float:
+    """Fastest wall seconds of one fixed request (prefill ~100 tokens, decode 32) on the
     embedded model, llama.cpp in process, one thread. The model load is not timed."""
     from infercourse.core.types import Request
     from infercourse.engines.llamacpp import LlamaCppEngine
@@ -61,8 +60,8 @@ def probe_s(repeats: int = 3) -> float:
     return _timed(eng, Request(prompt=PROMPT, max_tokens=PROBE_TOKENS, ignore_eos=True, cache_prompt=False), repeats)
 
 
-def prefill_probe_s(repeats: int = 2) -> float:
-    """Median wall seconds of one cold prefill of `PREFILL_TOKENS` tokens (one output token)
+def prefill_probe_s(repeats: int = 4) -> float:
+    """Fastest wall seconds of one cold prefill of `PREFILL_TOKENS` tokens (one output token)
     on the embedded model, llama.cpp in process at its own thread count (the physical cores)."""
     from infercourse.core.types import Request
     from infercourse.engines.llamacpp import LlamaCppEngine
