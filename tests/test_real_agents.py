@@ -396,6 +396,21 @@ def test_doctor_names_the_servers_fix_with_the_window_the_agent_needs():
     text = agent_doctor.report("claude-code", "u", small, SHAPE, agent_doctor.grade_agent_route(small, SHAPE))
     assert "[fail] context" in text and "server: " in text and "(with the server's fix)" in text
 
+    # a server already extended with YaRN reports the override as n_ctx_train; the fix reads the
+    # model's file, so the YaRN it prints starts from what the model was trained on
+    ext = {**small, "n_ctx_slot": 16384, "arch": "llama", "n_ctx_train": 8192, "trained_from": "its model file"}
+    fix = agent_doctor.server_fix("claude-code", ext, SHAPE)
+    assert "--yarn-orig-ctx 8192" in fix and "llama.context_length=int:" in fix and "ARCH" not in fix
+
+
+def test_the_trained_context_comes_from_the_served_file_not_an_override(tmp_path):
+    from infercourse.models.embedded import embedded_gguf
+    from infercourse.ops.agent_lab import served_trained_context
+    overridden = [{"id": "m", "meta": {"n_ctx_train": 32768}}]   # what --override-kv makes the server say
+    assert served_trained_context({"model_path": str(embedded_gguf())}, overridden) == ("llama", 8192, "its model file")
+    arch, trained, where = served_trained_context({"model_path": str(tmp_path / "elsewhere.gguf")}, overridden)
+    assert (arch, trained) == (None, 32768) and "override" in where   # a file not on this machine: the server's word
+
 
 # -- the sentences 20 computes -----------------------------------------------------------------
 def _tab(**rows):

@@ -123,6 +123,7 @@ def probe_agent_route(url: str, agent: str = "claude-code", *, models: tuple[str
                       probe_tokens: int = 512, timeout_s: float = 300.0) -> dict[str, Any]:
     """Ask the server what the agent's calls will meet (loopback URL; ~4 short calls and one
     uncached prefill of about `probe_tokens`)."""
+    from infercourse.ops.agent_lab import served_trained_context
     url = url.rstrip("/")
     ev: dict[str, Any] = {"agent": agent}
     props = httpx.get(url + "/props", timeout=10)
@@ -131,7 +132,8 @@ def probe_agent_route(url: str, agent: str = "claude-code", *, models: tuple[str
     served = httpx.get(url + "/v1/models", timeout=10)
     data = served.json().get("data", []) if served.status_code == 200 else []
     ev["served_models"] = [m.get("id") for m in data]
-    ev["n_ctx_train"] = next((m["meta"]["n_ctx_train"] for m in data if (m.get("meta") or {}).get("n_ctx_train")), None)
+    ev["arch"], ev["n_ctx_train"], ev["trained_from"] = served_trained_context(
+        props.json() if props.status_code == 200 else {}, data)
     main, small = models or DEFAULT_MODELS[agent]
     r = httpx.post(url + "/v1/messages/count_tokens", timeout=30,
                    json={"model": main, "messages": [{"role": "user", "content": "hello"}]})
@@ -244,9 +246,11 @@ def server_fix(agent: str, ev: dict[str, Any], shape: dict[str, Any], min_output
            "under its compaction line: it compacts after a step or two, or at every call")
     flags, train = f"-c {need} -np 1", ev.get("n_ctx_train")
     if train and need > train:
-        ext = " ".join(EXTEND_CONTEXT(need, train, arch="ARCH"))
-        flags += (f" {ext}   (ARCH: the model's general.architecture, llama for SmolLM2; past the {train:,} "
-                  f"tokens it was trained on, a quality cost: notebook 20 measures it)")
+        arch = ev.get("arch") or "ARCH"
+        flags += (f" {' '.join(EXTEND_CONTEXT(need, train, arch=arch))}   ("
+                  + ("" if ev.get("arch") else "ARCH: the model's general.architecture, llama for SmolLM2; ")
+                  + f"past the {train:,} tokens it was trained on, read from {ev.get('trained_from', 'the server')}: "
+                  "a quality cost, which notebook 20 measures)")
     return f"server: {why}; start llama-server with a slot window of at least {need:,} tokens: {flags}"
 
 

@@ -47,6 +47,7 @@ from infercourse.core.errors import AgentLayerError
 from infercourse.ops import netns
 
 __all__ = ["Task", "LabSpec", "run_lab", "first_tool_forcer", "EXTEND_CONTEXT", "extend_flags", "trained_context",
+           "served_trained_context",
            "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size", "network_line"]
 
 
@@ -68,6 +69,19 @@ def trained_context(model: str | None = None) -> tuple[str, int | None]:
     from infercourse.models.modelcard import model_card
     card = model_card(model)
     return card.architecture, card.context_length
+
+
+def served_trained_context(props: dict[str, Any], models: list[dict[str, Any]]) -> tuple[str | None, int | None, str]:
+    """(general.architecture, trained context, where it was read) of the model a llama-server
+    serves, from `/props` and `/v1/models`' data. Its file where `/props` names one on this
+    machine: a server started with `--override-kv ARCH.context_length=...` reports the override
+    as `n_ctx_train`, while the file states what the model was trained on. Else the server's own."""
+    path = props.get("model_path")
+    if path and Path(path).is_file():
+        arch, trained = trained_context(str(path))
+        return arch, trained, "its model file"
+    meta = next((m["meta"] for m in models if (m.get("meta") or {}).get("n_ctx_train")), {})
+    return None, meta.get("n_ctx_train"), "the server's n_ctx_train, which an --override-kv changes"
 
 
 def extend_flags(ctx: int, model: str | Path | None = None) -> list[str]:
