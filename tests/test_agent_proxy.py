@@ -248,6 +248,29 @@ def test_the_recorder_ends_on_ctrl_c_even_started_with_sigint_ignored(tmp_path):
     assert "results:" in log, log[-500:]          # it ended through its own report, not a kill
 
 
+def test_a_ctrl_c_while_the_session_folder_is_written_still_ends_in_the_report(tmp_path, monkeypatch, capsys):
+    """The recorder listens before its folder exists: a Ctrl-C in those seconds (a slow or busy
+    machine widens them) broke the session with a traceback and no folder; it is held until the
+    folder is written, then ends the session through its report."""
+    import os
+    import signal
+    from infercourse.cli.agent import agent_main
+    from infercourse.measure import results
+    real = results.RunWriter.__init__
+
+    def interrupted_init(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGINT)      # Ctrl-C arrives while the manifest is being written
+        time.sleep(0.2)
+        real(self, *a, **k)
+    monkeypatch.setattr(results.RunWriter, "__init__", interrupted_init)
+    with SSESource() as src:
+        t0 = time.monotonic()
+        assert agent_main(["proxy", "--upstream", src.url, "--port", "0", "--out", str(tmp_path / "s"),
+                           "--duration", "60"]) == 0
+    assert time.monotonic() - t0 < 30                     # it ended on the Ctrl-C, not the duration
+    assert (tmp_path / "s" / results.MANIFEST).is_file() and "results:" in capsys.readouterr().out
+
+
 def test_a_call_made_while_the_session_folder_is_written_is_recorded(tmp_path, monkeypatch):
     """The recorder listens before its run's folder exists (the manifest reads the machine, for
     seconds); an agent that calls at once had its call answered and never written (the proxy

@@ -90,15 +90,24 @@ def _proxy(a: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         p.error(why)
     rec = SessionRecorder(a.upstream, a.out or results_dir("agent-session"), port=a.port, allow_remote=a.allow_remote)
     # Ctrl-C ends the session even where the shell started it with SIGINT ignored (a background
-    # job, nohup, a test run in one): Python leaves an ignored SIGINT ignored, and it would never end
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    # job, nohup, a test run in one): Python leaves an ignored SIGINT ignored, and it would never end.
+    # One that comes while the session's folder is still being written (it listens first: seconds)
+    # is held until the folder is there, then ends the session the same way
+    held: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda *_: held.append(1))
     try:
-        with rec:
+        rec.start()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            if held:
+                raise KeyboardInterrupt
             print(f"recording {a.upstream} at {rec.url}: point your agent's base URL there (with /v1 where it "
                   f"wants one); Ctrl-C ends the session. Bodies go to {rec.out / 'bodies'} and stay there.", flush=True)
             rec.wait(a.duration)
-    except KeyboardInterrupt:
-        pass                  # Ctrl-C before the wait began ends the session the same way
+        except KeyboardInterrupt:
+            pass
+        finally:
+            rec.stop()
     finally:
         signal.signal(signal.SIGINT, before)
     _print_tables(rec.out)
