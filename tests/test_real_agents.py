@@ -1055,3 +1055,20 @@ def test_the_first_request_at_another_size_is_measured_once(tmp_path, monkeypatc
     assert ra.first_tokens_at(tmp_path, "ci", "main", "full", ctx=4096) == 1033 and runs == [("Read", "ci")]
     assert ra.first_tokens_at(tmp_path, "full", "main", "full", ctx=4096) == 13341 and len(runs) == 1
     ra.first_tokens_at.cache_clear()
+
+
+def test_clip_sentence_reports_the_agents_escalation_and_flips_when_nothing_was_clipped():
+    cols = ["task", "status", "max_tokens", "prompt_tokens", "output_tokens", "stop_reason", "first_diff", "error"]
+    refusal = lambda n: f"request ({n} tokens) exceeds the available context size (1536 tokens), try increasing it"  # noqa: E731
+    clipped = pd.DataFrame([["t", "ok", 32000, 1067.0, 469, "max_tokens", "first call", None],
+                            ["t", "error", 128000, None, 0, None, "message 1 (system)", refusal(1587)],
+                            ["t", "error", 32000, None, 0, None, "identical", refusal(1587)],
+                            ["t", "error", 32000, None, 0, None, "system 0", refusal(2694)]], columns=cols)
+    s = rc.clip_sentence(clipped, "prompt_too_long: Prompt is too long")
+    assert "stopped its answer at 469 tokens" in s and "all the room its 1,536-token window left" in s
+    assert "Then 3 more call(s)" in s and "1 with max_tokens raised to 128,000" in s
+    assert "3 refused by the server for size (requests of 1,587 to 2,694 tokens" in s and "1 sent again unchanged" in s
+    assert "1 starting from another system prompt" in s and s.endswith("in the agent's words: prompt_too_long.")
+    ended = pd.DataFrame([["t", "ok", 32000, 1067.0, 120, "end_turn", "first call", None]], columns=cols)
+    s = rc.clip_sentence(ended, "completed")
+    assert "did not clip it" in s and "Then" not in s and "all the room" not in s and s.endswith("completed.")
