@@ -940,7 +940,7 @@ def test_the_forcer_asks_the_first_call_for_one_tool_and_says_so():
     sent = json.loads(rw(json.dumps(anth).encode(), tags))
     assert [t["name"] for t in sent["tools"]] == ["Read"] and sent["tool_choice"] == {"type": "any"}
     assert sent["messages"][-1] == {"role": "assistant", "content": CALL_OPEN} and sent["stop_sequences"] == [CALL_CLOSE]
-    assert tags["forced"].startswith("Read alone")
+    assert tags["forced"].startswith("Read alone") and sent["temperature"] == 0 and tags["forced"].endswith("greedy")
     again = {"task": "t"}
     assert rw(json.dumps(anth).encode(), again) == json.dumps(anth).encode() and "forced" not in again   # once a task
     oai = {"tools": [{"type": "function", "function": {"name": "Read"}}], "messages": []}

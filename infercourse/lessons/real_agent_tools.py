@@ -5,7 +5,7 @@ no tool call and no tool result ever reaches the server, yet the chat template a
 tool-call parser are where a local agent fails most. The lab's `force_first_tool` option
 (`ops.agent_lab.first_tool_forcer`, stated on the call it changes: its `forced` column)
 makes the task's first call ask for one tool alone, with llama-server's grammar and the
-call's opening prefilled: the answer is one valid call, and the agent runs the tool and sends
+call's opening prefilled, greedy: the answer is one valid call, and the agent runs the tool and sends
 its result back, as it does with a model that calls tools.
 
 `tool_round_trip(out)` reads each call's structure from its captured body, never its text:

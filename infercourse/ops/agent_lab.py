@@ -143,7 +143,8 @@ def first_tool_forcer(name: str) -> Callable[[bytes, dict[str, Any]], bytes]:
     (Anthropic tools: `input_schema`) or "required" (OpenAI's), the course's tools template's
     call opening prefilled as the answer's start and its closing tag as a stop (this build's
     grammar lets a small model write text before a call, and call again and again: notebook
-    19), and tagged `forced`; every other body passes unchanged."""
+    19), greedy (temperature 0: the agent's own sampling let the model's arguments run on past the
+    answer cap now and then), and tagged `forced`; every other body passes unchanged."""
     from infercourse.measure.tool_calls import CALL_CLOSE, CALL_OPEN
     done: set[Any] = set()
 
@@ -161,10 +162,11 @@ def first_tool_forcer(name: str) -> Callable[[bytes, dict[str, Any]], bytes]:
         done.add(tags.get("task"))
         anthropic = "input_schema" in tools[0]
         choice = {"type": "any"} if anthropic else "required"
-        tags["forced"] = f"{name} alone, tool_choice {choice}, call opening prefilled"
+        tags["forced"] = f"{name} alone, tool_choice {choice}, call opening prefilled, greedy"
         messages = [*doc.get("messages", []), {"role": "assistant", "content": CALL_OPEN}]
         stop = {"stop_sequences" if anthropic else "stop": [CALL_CLOSE]}
-        return json.dumps({**doc, "tools": tools, "tool_choice": choice, "messages": messages, **stop}).encode()
+        return json.dumps({**doc, "tools": tools, "tool_choice": choice, "messages": messages, **stop,
+                           "temperature": 0}).encode()
     return rewrite
 
 
