@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from infercourse.ops.agent_lab import refused_size
+from infercourse.ops.agent_lab import refused_size, refused_window
 
 __all__ = ["ends_sentence", "ledger_sentence", "cold_warm_sentence", "header_sentence", "amplification_sentence", "plan_sentence", "compaction_sentence",
            "rewrite_sentence", "clip_sentence"]
@@ -118,13 +118,11 @@ def clip_sentence(view: pd.DataFrame, said: str) -> str:
     where the first answer stopped against the room the window left, then each later call as the
     table shows it (max_tokens raised, refused for size, sent again unchanged, another system
     prompt), and the task's end in the agent's own words (`said`, its `agent_said`)."""
-    import re
     first, rest = view.iloc[0], view.iloc[1:]
-    errors = view["error"].fillna("").astype(str)
-    m = next((re.search(r"context size \((\d+) tokens\)", e) for e in errors if "context size" in e), None)
-    window = int(m.group(1)) if m else None
+    windows = view["error"].map(refused_window).dropna()
+    window = int(windows.iloc[0]) if len(windows) else None
     if first["status"] != "ok":
-        line = f"The first call was refused ({errors.iloc[0][:120]})"
+        line = f"The first call was refused ({str(first['error'])[:120]})"
     else:
         room = (f", all the room its {window:,}-token window left after the {int(first['prompt_tokens']):,}-token prompt"
                 if window and int(first["prompt_tokens"]) + int(first["output_tokens"]) >= window else "")
@@ -133,18 +131,16 @@ def clip_sentence(view: pd.DataFrame, said: str) -> str:
         if first["stop_reason"] != "max_tokens":
             line += ": the answer ended before the window did, so this run did not clip it"
     if len(rest):
-        refused = errors.iloc[1:].str.contains("exceeds the available context")
-        sizes = errors.iloc[1:][refused].map(refused_size)
-        raised = rest[rest["max_tokens"] > first["max_tokens"]]
-        what = [f"{len(raised)} with max_tokens raised to {int(raised['max_tokens'].max()):,}" if len(raised) else "",
-                f"{int(refused.sum())} refused by the server for size (requests of {int(sizes.min()):,} to "
-                f"{int(sizes.max()):,} tokens against its {window:,}-token window)" if refused.any() and window else "",
-                f"{int((rest['status'] == 'ok').sum())} answered" if (rest["status"] == "ok").any() else "",
-                f"{int((rest['first_diff'] == 'identical').sum())} sent again unchanged right after the one before"
-                if (rest["first_diff"] == "identical").any() else "",
-                f"{int((rest['first_diff'] == 'system 0').sum())} starting from another system prompt (first "
-                "difference at system 0)" if (rest["first_diff"] == "system 0").any() else ""]
-        line += f". Then {len(rest)} more call(s): " + "; ".join(w for w in what if w)
+        sizes = rest["error"].map(refused_size).dropna()
+        raised = rest.loc[rest["max_tokens"] > first["max_tokens"], "max_tokens"]
+        counted = [(len(raised), f"with max_tokens raised to {raised.max():,.0f}"),
+                   (len(sizes) if window else 0, f"refused by the server for size (requests of {sizes.min():,.0f} to "
+                                                 f"{sizes.max():,.0f} tokens against its {window or 0:,}-token window)"),
+                   (int((rest["status"] == "ok").sum()), "answered"),
+                   (int((rest["first_diff"] == "identical").sum()), "sent again unchanged right after the one before"),
+                   (int((rest["first_diff"] == "system 0").sum()),
+                    "starting from another system prompt (first difference at system 0)")]
+        line += f". Then {len(rest)} more call(s): " + "; ".join(f"{n} {what}" for n, what in counted if n)
     return line + f". The task ended, in the agent's words: {_end(str(said))}."
 
 

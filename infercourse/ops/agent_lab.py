@@ -48,7 +48,8 @@ from infercourse.ops import netns
 
 __all__ = ["Task", "LabSpec", "run_lab", "first_tool_forcer", "EXTEND_CONTEXT", "extend_flags", "trained_context",
            "served_trained_context",
-           "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size", "network_line"]
+           "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size", "refused_window",
+           "network_line"]
 
 
 def EXTEND_CONTEXT(ctx: int, trained: int = 8192, arch: str = "llama") -> list[str]:
@@ -251,6 +252,12 @@ def network_line(out: str | Path) -> str:
 def refused_size(error: Any) -> float:
     """The prompt size in llama-server's refusal ("request (N tokens) exceeds ..."), or NaN."""
     m = re.search(r"request \((\d+) tokens\)", error if isinstance(error, str) else "")
+    return float(m.group(1)) if m else float("nan")
+
+
+def refused_window(error: Any) -> float:
+    """The window in the same refusal ("... exceeds the available context size (W tokens)"), or NaN."""
+    m = re.search(r"available context size \((\d+) tokens\)", error if isinstance(error, str) else "")
     return float(m.group(1)) if m else float("nan")
 
 

@@ -126,7 +126,6 @@ def probe_chat_route(url: str, *, probe_tokens: int = 512, side_tokens: int = 12
     """Ask the server what an agent's calls will meet: its window, slots and `-n`, then the
     side-call sequence and (where the server can save slots) save/restore, each call's
     evaluated tokens from the server's own timings (loopback URL; ~10 short calls)."""
-    from infercourse.ops.agent_lab import served_trained_context
     url = url.rstrip("/")
     ev: dict[str, Any] = {}
     props = httpx.get(url + "/props", timeout=10)
@@ -137,7 +136,6 @@ def probe_chat_route(url: str, *, probe_tokens: int = 512, side_tokens: int = 12
     served = httpx.get(url + "/v1/models", timeout=10)
     data = served.json().get("data", []) if served.status_code == 200 else []
     ev["served_models"] = [m.get("id") for m in data]
-    ev["arch"], ev["n_ctx_train"], ev["trained_from"] = served_trained_context(p, data)
     if ev["n_ctx_slot"]:   # the probe must fit the window it measures
         probe_tokens, side_tokens = min(probe_tokens, ev["n_ctx_slot"] // 3), min(side_tokens, ev["n_ctx_slot"] // 8)
     tag = uuid.uuid4().hex   # new every probe: the first main call is cold
