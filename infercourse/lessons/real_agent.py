@@ -17,12 +17,10 @@ stand-in does not:
 - **compaction**: the agent assumes a 1,000,000-token window for a model it does not know, so
   a session grows until the server refuses it, unless `CLAUDE_CODE_MAX_CONTEXT_TOKENS` tells it
   the real window; whether it then compacts is read from the calls (`real_agent_session`);
-- **retry amplification**: a client timeout shorter than a cold prefill re-sends the whole
-  request, and the server may pay for the prefill again each time.
+- **retry amplification**: a client timeout shorter than a cold prefill re-sends the request.
 
 Every function here builds lab tasks (`ops.agent_lab.Task`), runs them, or reads a lab run's
-folder into a table. A growing session's calls are read back in `real_agent_session`; the
-sentences that state what a run showed are computed from these tables in `real_agent_claims`.
+folder into a table (a session's: `real_agent_session`; sentences: `real_agent_claims`).
 """
 from __future__ import annotations
 
@@ -38,7 +36,7 @@ from infercourse.ops.agent_capture import GENERATING_APIS
 from infercourse.ops.agent_lab import (EXTEND_CONTEXT, LabSpec, Task, anatomy, calls_table, extend_flags, refused_size,
                                        run_lab, tasks_table)
 
-__all__ = ["SIZES", "SHORT_ANSWER", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
+__all__ = ["SIZES", "SHORT_ANSWER", "ANSWER_STOP", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
            "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes", "growing_session",
            "compaction_plan", "first_tokens_at", "told_env", "doctor_on_fresh_server", "calls_table", "tasks_table",
            "EXTEND_CONTEXT", "extend_flags", "first_request_tokens", "LONG_ANSWER", "clip_lab", "clipped_output_tokens",
@@ -52,6 +50,8 @@ SIZES = {"full": {"claude-code": {}, "codex": {}},
          "ci": {"claude-code": {"system_prompt": SHORT_SYSTEM, "tools": "Read"},
                 "codex": {"codex": {"instructions": SHORT_SYSTEM}}}}
 SHORT_ANSWER = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}   # where the answer's length is not the lesson
+ANSWER_STOP = ["\n"]   # a lab option (Task.answer_stop, tagged on each call): the answer ends at its first line,
+# not at the cap, which the agent counts as an API error (a summary cut there: a failed compaction, asked again)
 # the tool round trip: a task that asks for a file, its first call forced to Read (ops.agent_lab's
 # force_first_tool); room for a call whose path the model writes, and turns for the result
 TOOL_TASK, TOOL_ANSWER = "Read the file notes.txt and say what it holds.", {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
@@ -284,11 +284,12 @@ def session_pastes(turns: int, paste_words: int) -> list[str]:
     return [" ".join(words[(k * paste_words + i) % len(words)] for i in range(paste_words)) for k in range(turns)]
 
 
-def growing_session(size: str, turns: int, paste_words: int, env: dict[str, str], timeout_s: float) -> list[Task]:
+def growing_session(size: str, turns: int, paste_words: int, env: dict[str, str], timeout_s: float,
+                    **kw: Any) -> list[Task]:
     """One Claude Code session of `turns` tasks (`--continue`), each pasting `session_pastes`:
-    the history grows by one paste (and an answer) every turn."""
+    the history grows by one paste (and an answer) every turn; `kw`: Task fields (answer_stop)."""
     return [claude_task(f"turn {k}", f"Note {k}:\n{paste}\nSay OK.", size, env=env, timeout_s=timeout_s,
-                        session="session", resume=k > 0) for k, paste in enumerate(session_pastes(turns, paste_words))]
+                        session="session", resume=k > 0, **kw) for k, paste in enumerate(session_pastes(turns, paste_words))]
 
 
 def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_output: int, growth: int,

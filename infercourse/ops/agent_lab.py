@@ -41,12 +41,13 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from infercourse.core.errors import AgentLayerError
 from infercourse.ops import netns
+from infercourse.ops.lab_options import answer_stopper, first_tool_forcer, lab_rewrite
 
-__all__ = ["Task", "LabSpec", "run_lab", "first_tool_forcer", "EXTEND_CONTEXT", "extend_flags", "trained_context",
+__all__ = ["Task", "LabSpec", "run_lab", "first_tool_forcer", "answer_stopper", "lab_rewrite", "EXTEND_CONTEXT", "extend_flags", "trained_context",
            "served_trained_context",
            "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size", "refused_window",
            "network_line"]
@@ -121,6 +122,10 @@ class Task:
             the answer to one valid call of it; the agent runs it and sends the result back: a
             tool-call round trip with a model that calls no tool on its own. Name a harmless
             tool: the model writes the arguments.
+        answer_stop: stop sequences (e.g. ["\\n"]): a lab option, stated on each call it changes
+            (`answer_stop` in its tags): the recorder adds them to every call but a forced one
+            (`ops.lab_options.answer_stopper`), so answers end on their own before the agent's
+            answer cap, which the agent counts as an API error.
     """
 
     label: str
@@ -136,39 +141,7 @@ class Task:
     resume: bool = False
     spec: dict[str, Any] | None = None
     force_first_tool: str | None = None
-
-
-def first_tool_forcer(name: str) -> Callable[[bytes, dict[str, Any]], bytes]:
-    """The recorder's rewrite for `Task.force_first_tool`: the first request of each task that
-    offers the tool `name` is sent with that tool alone and `tool_choice` {"type": "any"}
-    (Anthropic tools: `input_schema`) or "required" (OpenAI's), the course's tools template's
-    call opening prefilled as the answer's start and its closing tag as a stop (this build's
-    grammar lets a small model write text before a call, and call again and again: notebook
-    19), greedy (temperature 0: the agent's own sampling let the model's arguments run on past the
-    answer cap now and then), and tagged `forced`; every other body passes unchanged."""
-    from infercourse.measure.tool_calls import CALL_CLOSE, CALL_OPEN
-    done: set[Any] = set()
-
-    def rewrite(body: bytes, tags: dict[str, Any]) -> bytes:
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            return body
-        if not isinstance(doc, dict) or tags.get("task") in done:
-            return body
-        tools = [t for t in (doc.get("tools") or []) if isinstance(t, dict)
-                 and (t.get("name") or (t.get("function") or {}).get("name")) == name]
-        if not tools:
-            return body
-        done.add(tags.get("task"))
-        anthropic = "input_schema" in tools[0]
-        choice = {"type": "any"} if anthropic else "required"
-        tags["forced"] = f"{name} alone, tool_choice {choice}, call opening prefilled, greedy"
-        messages = [*doc.get("messages", []), {"role": "assistant", "content": CALL_OPEN}]
-        stop = {"stop_sequences" if anthropic else "stop": [CALL_CLOSE]}
-        return json.dumps({**doc, "tools": tools, "tool_choice": choice, "messages": messages, **stop,
-                           "temperature": 0}).encode()
-    return rewrite
+    answer_stop: list[str] | None = None
 
 
 @dataclass
@@ -278,7 +251,7 @@ def calls_table(out: str | Path) -> "pd.DataFrame":
     df = run.df.copy()
     keep = ["request_id", "task", "agent", "method", "path", "api", "model", "http_status", "status", "error",
             "ttft_s", "e2e_s", "prompt_tokens", "cached_tokens", "evaluated_tokens", "prefill_ms", "output_tokens",
-            "stop_reason", "max_tokens", "body_bytes", "overlapped", "forced"]
+            "stop_reason", "max_tokens", "body_bytes", "overlapped", "forced", "answer_stop"]
     df = df[[c for c in keep if c in df.columns]]
     anat = anatomy(out)
     if len(anat):

@@ -28,7 +28,7 @@ from typing import Any
 
 from infercourse.core.errors import AgentLayerError
 from infercourse.ops import netns
-from infercourse.ops.agent_lab import LabSpec, Task, first_tool_forcer
+from infercourse.ops.agent_lab import LabSpec, Task, lab_rewrite
 
 __all__ = ["child_main"]
 
@@ -187,7 +187,7 @@ def child_main(spec_path: str) -> int:
         for i, task in enumerate(spec.tasks):
             argv, env, work = _launch(task, i, out, proxy.url, spec.served_name)
             proxy.tags = {"task": task.label, "agent": task.agent}
-            proxy.rewrite = first_tool_forcer(task.force_first_tool) if task.force_first_tool else None
+            proxy.rewrite = lab_rewrite(task.force_first_tool, task.answer_stop)
             n0, before, t0 = len(proxy.traces), evaluated_count(srv.url), time.perf_counter()
             (out / "agents").mkdir(exist_ok=True)
             rc, stdout, stderr = _run_agent(argv, env, work, task.timeout_s, out / "agents" / f"{i:02d}")

@@ -1,0 +1,39 @@
+"""The agent lab's options (ops.lab_options): what each changes in a call, and that it says so."""
+import json
+
+from infercourse.measure.tool_calls import CALL_CLOSE
+from infercourse.ops.lab_options import answer_stopper, lab_rewrite
+
+ANTH = {"model": "m", "system": [{"type": "text", "text": "s"}], "max_tokens": 64,
+        "tools": [{"name": "Read", "input_schema": {}}], "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_the_stopper_adds_its_sequences_to_the_agents_own_and_tags_the_call():
+    tags = {"task": "t"}
+    sent = json.loads(answer_stopper(["\n"])(json.dumps({**ANTH, "stop_sequences": ["END"]}).encode(), tags))
+    assert sent["stop_sequences"] == ["END", "\n"] and json.loads(tags["answer_stop"]) == ["\n"]
+    assert {k: v for k, v in sent.items() if k != "stop_sequences"} == ANTH       # nothing else changed
+    tags = {"task": "t"}
+    sent = json.loads(answer_stopper(["\n"])(json.dumps(ANTH).encode(), tags))
+    assert sent["stop_sequences"] == ["\n"] and "answer_stop" in tags
+
+
+def test_the_stopper_speaks_each_apis_field_and_leaves_what_it_cannot_stop():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": "END"}
+    sent = json.loads(answer_stopper(["\n"])(json.dumps(chat).encode(), {}))
+    assert sent["stop"] == ["END", "\n"] and "stop_sequences" not in sent
+    responses, tags = json.dumps({"model": "m", "input": "hi"}).encode(), {}
+    assert answer_stopper(["\n"])(responses, tags) == responses and "answer_stop" not in tags
+    assert answer_stopper(["\n"])(b"not json", {}) == b"not json"
+    own, tags = json.dumps({**ANTH, "stop_sequences": ["\n"]}).encode(), {}
+    assert answer_stopper(["\n"])(own, tags) == own and "answer_stop" not in tags   # the agent's own already
+
+
+def test_a_forced_call_keeps_its_own_stop_and_later_calls_get_the_lab_stop():
+    rw = lab_rewrite("Read", ["\n"])
+    first, later = {"task": "t"}, {"task": "t"}
+    sent = json.loads(rw(json.dumps(ANTH).encode(), first))
+    assert sent["stop_sequences"] == [CALL_CLOSE] and "forced" in first and "answer_stop" not in first
+    sent = json.loads(rw(json.dumps(ANTH).encode(), later))
+    assert sent["stop_sequences"] == ["\n"] and "forced" not in later and "answer_stop" in later
+    assert lab_rewrite(None, None) is None and lab_rewrite(None, []) is None
