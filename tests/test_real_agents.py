@@ -395,6 +395,9 @@ def test_doctor_names_the_servers_fix_with_the_window_the_agent_needs():
     assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(need)
     text = agent_doctor.report("claude-code", "u", small, SHAPE, agent_doctor.grade_agent_route(small, SHAPE))
     assert "[fail] context" in text and "server: " in text and "(with the server's fix)" in text
+    assert f"Claude Code on the window the server's fix below asks for: window {need:,}" in text   # not "this window"
+    ok = agent_doctor.report("claude-code", "u", GOOD, SHAPE, agent_doctor.grade_agent_route(GOOD, SHAPE))
+    assert f"Claude Code on this server's window: window {GOOD['n_ctx_slot']:,}" in ok
 
     # a server already extended with YaRN reports the override as n_ctx_train; the fix reads the
     # model's file, so the YaRN it prints starts from what the model was trained on
@@ -927,6 +930,23 @@ def test_prefill_ledger_counts_the_big_prefills_run_by_run(tmp_path, monkeypatch
     s = rc.ledger_sentence(led)
     assert "The 2 lab runs sent 4 model calls; 2 of them" in s and "took 30 s" in s and "most such calls: retry" in s
     assert "No lab run" in rc.ledger_sentence(led.iloc[:0])
+
+
+def test_the_ledger_counts_a_prefill_the_client_gave_up_on(tmp_path, monkeypatch):
+    """A copy the client cut has no count of its own, yet the server prefilled it (Codex's retry on
+    2026-12-04: the copy's 6,597 tokens were in the task's counter only, and the ledger said 0 big
+    prefills): the task counter's excess over its calls is that prefill."""
+    (tmp_path / "retry").mkdir()
+    (tmp_path / "retry" / "manifest.json").write_text("{}")
+    tasks = [{"task": "t", "wall_s": 40.0, "evaluated_tokens": 6598}, {"task": "u", "wall_s": 1.0, "evaluated_tokens": 8}]
+    (tmp_path / "retry" / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    calls = pd.DataFrame({"api": ["openai-responses"] * 3, "task": ["t", "t", "u"], "evaluated_tokens": [None, 1, 8]})
+    monkeypatch.setattr(rs, "calls_table", lambda d: calls)
+    led = rs.prefill_ledger(tmp_path)
+    assert led.loc["retry", "big_prefills"] == 1 and led.loc["retry", "evaluated_tokens"] == 6606
+    calls.loc[0, "evaluated_tokens"] = 6597          # the server answered it: nothing beyond the calls
+    led = rs.prefill_ledger(tmp_path)
+    assert led.loc["retry", "big_prefills"] == 1 and led.loc["retry", "evaluated_tokens"] == 6606
 
 
 def test_the_forcer_asks_the_first_call_for_one_tool_and_says_so():

@@ -17,12 +17,15 @@ import pandas as pd
 from infercourse.measure import noise
 from infercourse.measure.claims import band_verdict, verdict_sentence
 from infercourse.measure.prefill_curve import PrefillFit, fit_prefill, predict_prefill_s
+from infercourse.ops.agent_doctor import agent_shape
 
 __all__ = ["AGENT_FIRST_REQUEST", "ROUGH_FIT", "fit_reference", "config_table", "aa_floor", "compare_configs",
            "fit_sentence", "rate_sentence", "option_sentence", "agent_sentence", "explain"]
 
-# the agents' first requests as notebook 20 measured them (tokens, SmolLM2's tokenizer)
-AGENT_FIRST_REQUEST = {"Claude Code": 10_650, "Codex": 5_968}
+# the agents' first requests as notebook 20 measured them (the server's count, SmolLM2's tokenizer and
+# the course's template), read from the one file that holds them: data/agent_shapes.json
+AGENT_FIRST_REQUEST = {name: int(agent_shape(agent)["prompt_tokens"])
+                       for name, agent in (("Claude Code", "claude-code"), ("Codex", "codex"))}
 # relative rms residual above which a three-term fit is called rough: clean runs fit within a few %
 ROUGH_FIT = 0.10
 

@@ -171,15 +171,22 @@ def prefill_ledger(root: str | Path, least: int = 1000) -> pd.DataFrame:
     """One row per lab run under `root` (a notebook's results folder), in the order they ran:
     model calls, the calls that made the server evaluate at least `least` prompt tokens
     (`big_prefills`), the prompt tokens all calls made it evaluate (its own count) and the run's
-    wall time (its tasks'). The fresh servers of the doctors and of `replay_session` hold no
-    lab capture and are not in it."""
+    wall time (its tasks'). A call the client gave up on has no count of its own (the server never
+    answered it) while the server prefilled it: what a task's `/metrics` counter holds beyond its
+    calls' counts is that prefill, added to the total and, at `least` or more, counted as one more
+    big prefill. The fresh servers of the doctors and of `replay_session` hold no lab capture and
+    are not in it."""
     from infercourse.ops.agent_stream import GENERATING_APIS
     rows = []
     for d in (m.parent for m in sorted(Path(root).glob("*/manifest.json"), key=lambda m: m.stat().st_mtime)):
         calls, tasks = calls_table(d), tasks_table(d)
         gen = calls[calls["api"].isin(GENERATING_APIS)] if "api" in calls else calls.iloc[:0]
         ev = pd.to_numeric(gen.get("evaluated_tokens"), errors="coerce")
-        rows.append({"run": d.name, "model_calls": len(gen), "big_prefills": int((ev >= least).sum()),
-                     "evaluated_tokens": ev.sum(min_count=1),
+        gap = pd.Series(dtype=float)
+        if "task" in gen and "evaluated_tokens" in tasks:      # the tasks' counters beyond their calls' counts
+            counter = pd.to_numeric(tasks.set_index("task")["evaluated_tokens"], errors="coerce")
+            gap = (counter - ev.groupby(gen["task"]).sum().reindex(counter.index).fillna(0)).clip(lower=0)
+        rows.append({"run": d.name, "model_calls": len(gen), "big_prefills": int((ev >= least).sum() + (gap >= least).sum()),
+                     "evaluated_tokens": pd.concat([ev, gap]).sum(min_count=1),
                      "wall_s": pd.to_numeric(tasks.get("wall_s"), errors="coerce").sum(min_count=1)})
     return pd.DataFrame(rows, columns=["run", "model_calls", "big_prefills", "evaluated_tokens", "wall_s"]).set_index("run")

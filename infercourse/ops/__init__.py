@@ -23,6 +23,7 @@ soaking, and finding the layer at fault.
 | `chat_agent`  | any agent over chat completions, described by a JSON spec and run the same sealed way |
 | `netns`       | a network namespace holding only loopback (`unshare -n`), where a real agent runs |
 | `agent_lab`, `agent_lab_child` | a lab run: tasks played against one llama-server inside the namespace, every call captured (the child is what runs inside) |
+| `lab_options` | the lab's options: what the recorder changes in a call (a forced first tool call, stop sequences that end an answer), each stated on the call it changes |
 | `agent_capture` | `RecordingProxy`: a loopback pass-through that streams each answer back and records every call |
 | `agent_stream` | reading a streamed answer as it passes: API, first output, usage, stop reason, error, server timings |
 | `agent_anatomy` | a request's parts (system, tools, messages), their tokens, and the first part that differs from the call before |

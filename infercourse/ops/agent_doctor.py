@@ -266,7 +266,9 @@ def report(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], chec
     lines = [f"  [{c.status:4}] {c.layer:8} {c.summary}" for c in checks]
     fix = server_fix(agent, ev, shape)
     if agent == "claude-code" and ev.get("n_ctx_slot"):   # the budget on the window the settings name
-        lines.append(budget_line(int(shape["prompt_tokens"]), settings_window(agent, ev, shape)))
+        w = settings_window(agent, ev, shape)
+        lines.append(budget_line(int(shape["prompt_tokens"]), w, "Claude Code on " + (
+            "this server's window" if w == ev["n_ctx_slot"] else "the window the server's fix below asks for")))
     return "\n".join(lines + ([fix] if fix else []) + [
         "settings that fix what was found" + (" (with the server's fix)" if fix else "") + ":",
         fixes(agent, url, ev, shape, checks, served_name)])

@@ -10,7 +10,7 @@ in process:
 - `probe_s`: one thread, a ~100-token prompt and 32 forced tokens: what most notebooks do
   (small single-thread prefills and decodes, servers started and stopped);
 - `prefill_probe_s`: llama.cpp's own thread count, one cold prefill of `PREFILL_TOKENS`: what
-  the notebooks dominated by a real agent's 10k-token prompts do (`PREFILL_BOUND`), whose
+  the notebooks dominated by a real agent's 12k-token prompts do (`PREFILL_BOUND`), whose
   time scales with the machine's prefill speed on all its cores, not with one thread's.
 
 Each notebook's forecast is its reference time times the ratio of its probe (here ÷
