@@ -730,14 +730,20 @@ def _reported_windows(out) -> pd.Series:
 @_real("claude-code")
 def test_claude_code_takes_its_window_from_max_context_tokens(tmp_path):
     """The pinned version reports the window CLAUDE_CODE_MAX_CONTEXT_TOKENS names; an
-    auto-compact window under its 100,000-token floor leaves the 1,000,000 it assumes."""
+    auto-compact window under its 100,000-token floor leaves the 1,000,000 it assumes. The tasks
+    run with the lab's answer stop, which reaches the server on every call and says so."""
     task = lambda label, **env: ra.claude_task(label, "Say hello.", "ci", env={**ra.SHORT_ANSWER, **env},  # noqa: E731
-                                               timeout_s=300)
+                                               timeout_s=300, answer_stop=ra.ANSWER_STOP)
     out = run_lab(LabSpec(str(tmp_path / "w"), [task("as is"), task("max context", CLAUDE_CODE_MAX_CONTEXT_TOKENS="4096"),
                                                 task("auto compact", CLAUDE_CODE_AUTO_COMPACT_WINDOW="4096")], ctx=4096))
     win = _reported_windows(out)
     assert win["as is"] == agents.CLAUDE_ASSUMED_WINDOW and win["max context"] == 4096
     assert win["auto compact"] == agents.CLAUDE_ASSUMED_WINDOW
+    gen = calls_table(out).query("api == 'anthropic'")
+    assert len(gen) >= 3 and gen["answer_stop"].notna().all()
+    for rid in gen["request_id"]:
+        body = json.loads((out / "bodies" / f"{int(rid):03d}.json").read_text())
+        assert body["stop_sequences"][-len(ra.ANSWER_STOP):] == ra.ANSWER_STOP   # recorded as sent
 
 
 @pytest.mark.slow
