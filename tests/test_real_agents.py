@@ -959,7 +959,7 @@ def test_the_forcer_asks_the_first_call_for_one_tool_and_says_so():
     """Issue 33 §1: the lab option that forces a tool round trip changes one call per task, the
     first that offers the tool, and tags it; Anthropic and OpenAI bodies get their own shapes."""
     from infercourse.measure.tool_calls import CALL_CLOSE, CALL_OPEN
-    from infercourse.ops.agent_lab import first_tool_forcer
+    from infercourse.ops.lab_options import first_tool_forcer
     anth = {"model": "m", "tools": [{"name": "Placeholder", "input_schema": {}}, {"name": "Read", "input_schema": {}}],
             "messages": [{"role": "user", "content": "hi"}]}
     rw, tags = first_tool_forcer("Read"), {"task": "t"}

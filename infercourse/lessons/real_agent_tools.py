@@ -3,7 +3,7 @@
 The embedded model calls no tool on its own, so notebook 20's other runs are one turn each:
 no tool call and no tool result ever reaches the server, yet the chat template and the
 tool-call parser are where a local agent fails most. The lab's `force_first_tool` option
-(`ops.agent_lab.first_tool_forcer`, stated on the call it changes: its `forced` column)
+(`ops.lab_options.first_tool_forcer`, stated on the call it changes: its `forced` column)
 makes the task's first call ask for one tool alone, with llama-server's grammar and the
 call's opening prefilled, greedy: the answer is one valid call, and the agent runs the tool and sends
 its result back, as it does with a model that calls tools.

@@ -45,9 +45,8 @@ from typing import Any
 
 from infercourse.core.errors import AgentLayerError
 from infercourse.ops import netns
-from infercourse.ops.lab_options import answer_stopper, first_tool_forcer, lab_rewrite
 
-__all__ = ["Task", "LabSpec", "run_lab", "first_tool_forcer", "answer_stopper", "lab_rewrite", "EXTEND_CONTEXT", "extend_flags", "trained_context",
+__all__ = ["Task", "LabSpec", "run_lab", "EXTEND_CONTEXT", "extend_flags", "trained_context",
            "served_trained_context",
            "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size", "refused_window",
            "network_line"]
@@ -118,10 +117,10 @@ class Task:
             environment it reads, its config files); the lab runs it like the named ones.
         force_first_tool: a tool's name (e.g. "Read"): a lab option, stated on the call it
             changes (`forced` in its tags). The recorder makes the task's first call that offers
-            that tool ask for it alone (`first_tool_forcer`), so llama-server (--jinja) constrains
-            the answer to one valid call of it; the agent runs it and sends the result back: a
-            tool-call round trip with a model that calls no tool on its own. Name a harmless
-            tool: the model writes the arguments.
+            that tool ask for it alone (`ops.lab_options.first_tool_forcer`), so llama-server
+            (--jinja) constrains the answer to one valid call of it; the agent runs it and sends
+            the result back: a tool-call round trip with a model that calls no tool on its own.
+            Name a harmless tool: the model writes the arguments.
         answer_stop: stop sequences (e.g. ["\\n"]): a lab option, stated on each call it changes
             (`answer_stop` in its tags): the recorder adds them to every call but a forced one
             (`ops.lab_options.answer_stopper`), so answers end on their own before the agent's

@@ -28,7 +28,8 @@ from typing import Any
 
 from infercourse.core.errors import AgentLayerError
 from infercourse.ops import netns
-from infercourse.ops.agent_lab import LabSpec, Task, lab_rewrite
+from infercourse.ops.agent_lab import LabSpec, Task
+from infercourse.ops.lab_options import lab_rewrite
 
 __all__ = ["child_main"]
 
