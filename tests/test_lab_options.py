@@ -9,29 +9,31 @@ ANTH = {"model": "m", "system": [{"type": "text", "text": "s"}], "max_tokens": 6
 
 
 def test_the_stopper_adds_its_sequences_to_the_agents_own_and_tags_the_call():
-    tags = {"task": "t"}
+    tags = {"task": "t", "api": "anthropic"}
     sent = json.loads(answer_stopper(["\n"])(json.dumps({**ANTH, "stop_sequences": ["END"]}).encode(), tags))
     assert sent["stop_sequences"] == ["END", "\n"] and json.loads(tags["answer_stop"]) == ["\n"]
     assert {k: v for k, v in sent.items() if k != "stop_sequences"} == ANTH       # nothing else changed
-    tags = {"task": "t"}
+    tags = {"task": "t", "api": "anthropic"}
     sent = json.loads(answer_stopper(["\n"])(json.dumps(ANTH).encode(), tags))
     assert sent["stop_sequences"] == ["\n"] and "answer_stop" in tags
 
 
 def test_the_stopper_speaks_each_apis_field_and_leaves_what_it_cannot_stop():
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": "END"}
-    sent = json.loads(answer_stopper(["\n"])(json.dumps(chat).encode(), {}))
+    sent = json.loads(answer_stopper(["\n"])(json.dumps(chat).encode(), {"api": "openai-chat"}))
     assert sent["stop"] == ["END", "\n"] and "stop_sequences" not in sent
-    responses, tags = json.dumps({"model": "m", "input": "hi"}).encode(), {}
+    responses, tags = json.dumps({"model": "m", "input": "hi"}).encode(), {"api": "openai-responses"}
     assert answer_stopper(["\n"])(responses, tags) == responses and "answer_stop" not in tags
-    assert answer_stopper(["\n"])(b"not json", {}) == b"not json"
-    own, tags = json.dumps({**ANTH, "stop_sequences": ["\n"]}).encode(), {}
+    assert answer_stopper(["\n"])(b"not json", {"api": "anthropic"}) == b"not json"
+    own, tags = json.dumps({**ANTH, "stop_sequences": ["\n"]}).encode(), {"api": "anthropic"}
     assert answer_stopper(["\n"])(own, tags) == own and "answer_stop" not in tags   # the agent's own already
+    bare = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}   # no system, no tools
+    assert json.loads(answer_stopper(["\n"])(json.dumps(bare).encode(), {"api": "anthropic"}))["stop_sequences"] == ["\n"]
 
 
 def test_a_forced_call_keeps_its_own_stop_and_later_calls_get_the_lab_stop():
     rw = lab_rewrite("Read", ["\n"])
-    first, later = {"task": "t"}, {"task": "t"}
+    first, later = {"task": "t", "api": "anthropic"}, {"task": "t", "api": "anthropic"}
     sent = json.loads(rw(json.dumps(ANTH).encode(), first))
     assert sent["stop_sequences"] == [CALL_CLOSE] and "forced" in first and "answer_stop" not in first
     sent = json.loads(rw(json.dumps(ANTH).encode(), later))

@@ -110,7 +110,7 @@ class RecordingProxy:
         self.on_call, self.read_metrics = on_call, read_metrics
         self.bodies_dir = Path(bodies_dir) if bodies_dir else None
         self.tags: dict[str, Any] = {}       # added to every call from now on (the lab sets task, agent)
-        self.rewrite: Callable[[bytes, dict], bytes] | None = None   # a lab's option: (body, tags) -> body
+        self.rewrite: Callable[[bytes, dict], bytes] | None = None   # a lab's option: (body, tags) -> body; tags hold api
         self.traces: list[RequestTrace] = []
         self.metrics_errors: list[str] = []
         self._lock, self._n, self._in_flight, self._open = threading.Lock(), 0, 0, 0
@@ -202,11 +202,11 @@ class RecordingProxy:
                     self._open -= 1
 
     def _relay_one(self, h: BaseHTTPRequestHandler) -> bool:
-        tags = dict(self.tags)   # the task the call came in under
         n = int(h.headers.get("content-length") or 0)
         body = h.rfile.read(n) if n else b""
         t0 = time.perf_counter()
         api = api_of(h.path)
+        tags = {**self.tags, "api": api}   # the task the call came in under, and the API its path speaks
         generating = h.command == "POST" and api in GENERATING_APIS
         body = self.rewrite(body, tags) if generating and self.rewrite else body   # recorded as sent, tagged
         with self._lock:

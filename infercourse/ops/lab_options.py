@@ -13,7 +13,7 @@ Two options, each a task's field (`ops.agent_lab.Task`):
                                                                                 (tag `answer_stop`)
 
 Each option is a rewrite `(body, tags) -> body` the recorder (`ops.agent_capture`) applies to
-generating calls only; `lab_rewrite` composes a task's options. Hand-written: they edit the
+generating calls only (`tags` name the task, the agent and the API the call's path speaks); `lab_rewrite` composes a task's options. Hand-written: they edit the
 agent's JSON body field by field, which no proxy library does for these two APIs' fields.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, Callable
 __all__ = ["first_tool_forcer", "answer_stopper", "lab_rewrite", "Rewrite"]
 
 Rewrite = Callable[[bytes, dict[str, Any]], bytes]
+STOP_FIELD = {"anthropic": "stop_sequences", "openai-chat": "stop"}   # per API (ops.agent_stream.api_of)
 
 
 def first_tool_forcer(name: str) -> Rewrite:
@@ -61,21 +62,21 @@ def first_tool_forcer(name: str) -> Rewrite:
 
 def answer_stopper(stops: list[str]) -> Rewrite:
     """The recorder's rewrite for `Task.answer_stop`: `stops` added to each call's own stop
-    sequences (Anthropic's `stop_sequences`, chat completions' `stop`), so the server ends an
-    answer at the first of them with stop reason `end_turn` / `stop`, not at the agent's cap.
-    Tagged `answer_stop` (the sequences added). Unchanged: a call the lab forced (its stop is the
-    call's closing tag), a Responses API call (`input`: the API has no stop parameter), a body
-    that is not a JSON object with messages."""
+    sequences (Anthropic's `stop_sequences`, chat completions' `stop`: the API the recorder read
+    from the call's path, `tags["api"]`), so the server ends an answer at the first of them with
+    stop reason `end_turn` / `stop`, not at the agent's cap. Tagged `answer_stop` (the sequences
+    added). Unchanged: a call the lab forced (its stop is the call's closing tag), a Responses API
+    call (the API has no stop parameter), a body that is not a JSON object."""
     def rewrite(body: bytes, tags: dict[str, Any]) -> bytes:
+        key = STOP_FIELD.get(tags.get("api"))
+        if key is None or tags.get("forced"):
+            return body
         try:
             doc = json.loads(body)
         except ValueError:
             return body
-        if not isinstance(doc, dict) or "messages" not in doc or tags.get("forced"):
+        if not isinstance(doc, dict):
             return body
-        anthropic = "system" in doc or "stop_sequences" in doc or any(
-            isinstance(t, dict) and "input_schema" in t for t in doc.get("tools") or [])
-        key = "stop_sequences" if anthropic else "stop"
         own = doc.get(key) or []
         own = [own] if isinstance(own, str) else list(own)
         added = [s for s in stops if s not in own]
