@@ -1076,11 +1076,28 @@ def test_the_first_request_at_another_size_is_measured_once(tmp_path, monkeypatc
     ra.first_tokens_at.cache_clear()
     runs = []
     monkeypatch.setattr(ra, "first_request_tokens", lambda root, tools, size, **kw: runs.append((tools, size)) or 1033.0)
-    monkeypatch.setattr(ra, "evaluated_by_task", lambda main: pd.DataFrame({"prompt_tokens": [13341]}, index=["A cold"]))
-    assert ra.first_tokens_at(tmp_path, "ci", "main", "full", ctx=4096) == 1033
-    assert ra.first_tokens_at(tmp_path, "ci", "main", "full", ctx=4096) == 1033 and runs == [("Read", "ci")]
-    assert ra.first_tokens_at(tmp_path, "full", "main", "full", ctx=4096) == 13341 and len(runs) == 1
+    monkeypatch.setattr(ra, "evaluated_by_task", lambda main: pd.DataFrame({"prompt_tokens": [13306, 13341]},
+                                                                           index=["A cold", "C header on"]))
+    assert ra.first_tokens_at(tmp_path, "ci", "main", "full") == 1033
+    assert ra.first_tokens_at(tmp_path, "ci", "main", "full") == 1033 and runs == [("Read", "ci")]
+    # at the main run's size: its task with the billing header on, as the sessions run (A's is off)
+    assert ra.first_tokens_at(tmp_path, "full", "main", "full") == 13341 and len(runs) == 1
     ra.first_tokens_at.cache_clear()
+
+
+def test_a_first_request_is_sized_by_a_refusal_not_a_prefill(tmp_path, monkeypatch):
+    """Issue 33 §5: sizing a first request costs no cold prefill: by default the lab's server is
+    too small for it (`SIZING_CTX`), and the size is the one the server's refusal names."""
+    specs = []
+
+    def fake_lab(root, name, tasks, *, ctx, **kw):
+        specs.append(ctx)
+        return tmp_path
+    monkeypatch.setattr(ra, "lab", fake_lab)
+    monkeypatch.setattr(ra, "_first_call", lambda out: pd.Series(
+        {"prompt_tokens": float("nan"), "error": "request (5519 tokens) exceeds the available context size (512 tokens)"}))
+    assert ra.first_request_tokens(tmp_path, "Read", "ci") == 5519 and specs == [ra.SIZING_CTX]
+    assert ra.SIZING_CTX < 1000   # under every first request the lab sizes (the ci size's: ~1,000 tokens)
 
 
 def test_clip_sentence_reports_the_agents_escalation_and_flips_when_nothing_was_clipped():

@@ -40,7 +40,7 @@ __all__ = ["SIZES", "SHORT_ANSWER", "ANSWER_STOP", "readiness", "skip_reason", "
            "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes", "growing_session",
            "compaction_plan", "first_tokens_at", "told_env", "doctor_on_fresh_server", "calls_table", "tasks_table",
            "EXTEND_CONTEXT", "extend_flags", "first_request_tokens", "LONG_ANSWER", "clip_lab", "clipped_output_tokens",
-           "TOOL_TASK", "TOOL_ANSWER", "tool_task"]
+           "TOOL_TASK", "TOOL_ANSWER", "tool_task", "SIZING_CTX"]
 
 SHORT_SYSTEM = "You are a coding assistant. Answer in one short sentence."
 # The two sizes: "full" sends the agents' own requests; "ci" shrinks them with the agents' own
@@ -50,6 +50,7 @@ SIZES = {"full": {"claude-code": {}, "codex": {}},
          "ci": {"claude-code": {"system_prompt": SHORT_SYSTEM, "tools": "Read"},
                 "codex": {"codex": {"instructions": SHORT_SYSTEM}}}}
 SHORT_ANSWER = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}   # where the answer's length is not the lesson
+SIZING_CTX = 512   # a window no first request fits: the server refuses it at once, naming its size (no prefill)
 ANSWER_STOP = ["\n"]   # a lab option (Task.answer_stop, tagged on each call): the answer ends at its first line,
 # not at the cap, which the agent counts as an API error (a summary cut there: a failed compaction, asked again)
 # the tool round trip: a task that asks for a file, its first call forced to Read (ops.agent_lab's
@@ -86,8 +87,7 @@ def claude_task(label: str, prompt: str, size: str, *, env: dict[str, str] | Non
 
 
 def tool_task(size: str, *, timeout_s: float = 900) -> Task:
-    """The tool round trip's Claude Code task: Read alone offered and forced on its first call
-    (`Task.force_first_tool`, stated on that call), three turns for the call and its result."""
+    """The tool round trip: Read alone, forced on the first call (`Task.force_first_tool`), three turns."""
     return claude_task("tool round trip", TOOL_TASK, size, env=TOOL_ANSWER, timeout_s=timeout_s, tools="Read",
                        force_first_tool="Read", max_turns=3)
 
@@ -113,8 +113,7 @@ def lab(root: str | Path, name: str, tasks: list[Task], *, ctx: int, threads: in
 
 
 def _unused(root: str | Path, name: str) -> str:
-    """`name-1`, `name-2`...: the first that holds no lab run yet (a lab folder is written
-    once), so an exercise cell can run again."""
+    """`name-1`, `name-2`...: the first with no lab run yet (one is written once), so a cell can run again."""
     k = 1
     while (Path(root) / f"{name}-{k}").exists():
         k += 1
@@ -136,7 +135,7 @@ def _first_call(out: str | Path) -> pd.Series:
     return gen.iloc[0]
 
 
-def first_request_tokens(root: str | Path, tools: str | None, size: str, *, ctx: int, threads: int = 1,
+def first_request_tokens(root: str | Path, tools: str | None, size: str, *, ctx: int = SIZING_CTX, threads: int = 1,
                          model: str | None = None, timeout_s: float = 900, name: str = "tools") -> float:
     """Prompt tokens of Claude Code's first request for a one-line task when it is given only
     `tools`, run in the sealed lab on a fresh server (`lab`): the server's usage, or, where
@@ -146,7 +145,7 @@ def first_request_tokens(root: str | Path, tools: str | None, size: str, *, ctx:
         root: the results folder (the run goes to a new `name-k` folder in it).
         tools: Claude Code's `--tools` value, e.g. "Read,Bash" ("": no tools; None: its own list).
         size: "full" or "ci" (`SIZES`; `tools` replaces the size's own list).
-        ctx: the server's window (extended with YaRN past the model's trained context).
+        ctx: the server's window; the default, `SIZING_CTX`, has the request refused unprefilled.
         threads, model, timeout_s: as `lab` and `claude_task` take them.
     """
     label = f"tools {'all' if tools is None else tools or 'none'}"
@@ -316,13 +315,14 @@ def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_outp
 
 
 @functools.lru_cache(maxsize=None)
-def first_tokens_at(root: str | Path, size: str, main: str | Path, main_size: str, *, ctx: int, threads: int = 1,
+def first_tokens_at(root: str | Path, size: str, main: str | Path, main_size: str, *, threads: int = 1,
                     model: str | None = None, timeout_s: float = 900) -> int:
-    """Claude Code's first request (prompt tokens) at `size`: A cold's in the `main` run if it ran
-    at `size`, else one task at `size` on a fresh server (`first_request_tokens`), once per folder."""
+    """Claude Code's first request (prompt tokens, billing header on) at `size`: C header on's in
+    the `main` run if it ran at `size`, else one task at `size` sized by a fresh server's refusal
+    (`first_request_tokens` at `SIZING_CTX`), once per folder."""
     if size == main_size:
-        return int(evaluated_by_task(main).loc["A cold", "prompt_tokens"])
-    return int(first_request_tokens(root, SIZES[size]["claude-code"].get("tools"), size, ctx=ctx, threads=threads,
+        return int(evaluated_by_task(main).loc["C header on", "prompt_tokens"])
+    return int(first_request_tokens(root, SIZES[size]["claude-code"].get("tools"), size, threads=threads,
                                     model=model, timeout_s=timeout_s, name=f"first-{size}"))
 
 
