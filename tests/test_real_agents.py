@@ -179,22 +179,6 @@ def test_the_namespace_holds_only_loopback():
     assert out.stdout.split() == ["ERRNO", str(errno.ENETUNREACH)], out.stdout
 
 
-def test_the_agent_sees_no_git_repository_around_its_results_folder(tmp_path):
-    """Issue 33, the sandbox's edges: a results folder inside the course's clone handed Claude Code
-    the clone's branch, status and recent commits (its first message grew by hundreds of tokens);
-    with the lab's environment git finds no repository from the task's working folder."""
-    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    home = tmp_path / "build" / "results" / "homes" / "user"
-    work = home / "work"
-    work.mkdir(parents=True)
-    probe = ["git", "rev-parse", "--is-inside-work-tree"]
-    assert subprocess.run(probe, cwd=work, capture_output=True).returncode == 0       # the clone, found
-    env = agents.sealed_env(home)
-    assert subprocess.run(probe, cwd=work, env=env, capture_output=True).returncode != 0
-    with pytest.raises(AgentLayerError):
-        agents.check_env({"GIT_CEILING_DIRECTORIES": "/"})
-
-
 def test_sealed_env_keeps_the_users_environment_and_keys_out(monkeypatch, tmp_path):
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-real-key")
     monkeypatch.setenv("SECRET_OF_THE_USER", "x")

@@ -158,7 +158,7 @@ def install(quiet: bool = False) -> str:
 # its prefix (ANTHROPIC_BEDROCK_BASE_URL, https_proxy...).
 LAB_ENV = ("HOME", "CODEX_HOME", "XDG_CONFIG_HOME", "CLAUDE_CONFIG_DIR", "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN",
            "OPENAI_API_KEY", "COURSE_API_KEY", "CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX",
-           "CLAUDE_CODE_USE_FOUNDRY", "GIT_CEILING_DIRECTORIES")
+           "CLAUDE_CODE_USE_FOUNDRY")
 
 
 def check_env(env: dict[str, str] | None, what: str = "the agent's environment") -> None:
@@ -182,10 +182,6 @@ def sealed_env(home: Path, extra: dict[str, str] | None = None, *, route: dict[s
     """The whole environment of an agent process: PATH and locale from ours, nothing else of
     the user's, a throwaway HOME, the quiet switches, a dummy key; `extra` on top (model names,
     a timeout; checked by `check_env`), then `route`, the lab's own (the proxy's base URL).
-    Git stops looking for a repository at HOME's parent (`GIT_CEILING_DIRECTORIES`): a results
-    folder inside the course's clone would otherwise hand the agent that repository's branch,
-    status and recent commits, which Claude Code puts in its first message (hundreds of tokens
-    more, and a first request that depended on where the results were written).
 
     Args:
         home: the throwaway home (HOME, CODEX_HOME and XDG_CONFIG_HOME inside it).
@@ -197,7 +193,7 @@ def sealed_env(home: Path, extra: dict[str, str] | None = None, *, route: dict[s
     home.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TERM", "TMPDIR", "TZ")}
     env.update(QUIET_ENV, HOME=str(home), CODEX_HOME=str(home / ".codex"), XDG_CONFIG_HOME=str(home / ".config"),
-               ANTHROPIC_API_KEY=DUMMY_KEY, COURSE_API_KEY=DUMMY_KEY, GIT_CEILING_DIRECTORIES=str(home.resolve().parent))
+               ANTHROPIC_API_KEY=DUMMY_KEY, COURSE_API_KEY=DUMMY_KEY)
     env.update({k: str(v) for k, v in (extra or {}).items()})
     env.update(route or {})
     return env
