@@ -179,6 +179,23 @@ def test_the_namespace_holds_only_loopback():
     assert out.stdout.split() == ["ERRNO", str(errno.ENETUNREACH)], out.stdout
 
 
+def test_the_agents_homes_lie_outside_a_git_repository_around_the_results(tmp_path):
+    """Issue 33, the sandbox's edges: a results folder inside the course's clone handed Claude Code
+    the clone's branch, status and recent commits (it finds the repository itself: a git ceiling
+    did not stop it); the tasks' homes then live outside it, linked from the results folder."""
+    from infercourse.ops.agent_lab_child import _homes
+    plain = tmp_path / "plain" / "run"
+    plain.mkdir(parents=True)
+    assert _homes(plain) == plain / "homes" and not (plain / "homes").exists()
+    subprocess.run(["git", "init", "-q", str(tmp_path / "clone")], check=True)
+    out = tmp_path / "clone" / "build" / "results" / "run"
+    out.mkdir(parents=True)
+    homes = _homes(out).resolve()
+    assert (out / "homes").is_symlink() and not homes.is_relative_to(tmp_path / "clone")
+    assert not any((d / ".git").exists() for d in (homes, *homes.parents))
+    assert _homes(out).resolve() == homes    # every task of the run: the same homes
+
+
 def test_sealed_env_keeps_the_users_environment_and_keys_out(monkeypatch, tmp_path):
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-real-key")
     monkeypatch.setenv("SECRET_OF_THE_USER", "x")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,12 +35,24 @@ from infercourse.ops.lab_options import lab_rewrite
 __all__ = ["child_main"]
 
 
+def _homes(out: Path) -> Path:
+    """The tasks' homes: out/homes, a link to a folder outside any git repository where `out`
+    lies in one (a results folder in the course's clone): Claude Code finds the repository
+    around its working folder by itself and sends its branch, status and recent commits in its
+    first message, so the request would depend on where the results are written."""
+    link = out / "homes"
+    if link.exists() or not any((d / ".git").exists() for d in (out.resolve(), *out.resolve().parents)):
+        return link
+    link.symlink_to(tempfile.mkdtemp(prefix="infercourse-lab-homes-"), target_is_directory=True)
+    return link
+
+
 def _launch(task: Task, i: int, out: Path, proxy_url: str, served: str) -> tuple[list[str], dict, Path]:
     from infercourse.ops import agents
     # one user, one project: every task of a lab shares a HOME and a working folder, as a
     # learner's tasks do (the agent's system prompt names its working folder: a folder per
     # task made every new task differ at Claude Code's third system block)
-    home = out / "homes" / (task.session or "user")
+    home = (_homes(out) / (task.session or "user")).resolve()
     work = home / "work"
     work.mkdir(parents=True, exist_ok=True)
     if task.spec is not None:   # any other agent: its spec says how it is run (ops.chat_agent)
