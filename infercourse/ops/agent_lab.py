@@ -46,8 +46,7 @@ from typing import Any
 from infercourse.core.errors import AgentLayerError
 from infercourse.ops import netns
 
-__all__ = ["Task", "LabSpec", "run_lab", "EXTEND_CONTEXT", "extend_flags", "trained_context",
-           "served_trained_context",
+__all__ = ["Task", "LabSpec", "run_lab", "EXTEND_CONTEXT", "extend_flags", "trained_context", "served_trained_context",
            "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size", "refused_window",
            "network_line"]
 

@@ -40,8 +40,8 @@ def _homes(out: Path) -> Path:
     lies in one (a results folder in the course's clone): Claude Code finds the repository
     around its working folder by itself and sends its branch, status and recent commits in its
     first message, so the request would depend on where the results are written."""
-    link = out / "homes"
-    if link.exists() or not any((d / ".git").exists() for d in (out.resolve(), *out.resolve().parents)):
+    link, real = out / "homes", out.resolve()
+    if link.exists() or not any((d / ".git").exists() for d in (real, *real.parents)):
         return link
     link.symlink_to(tempfile.mkdtemp(prefix="infercourse-lab-homes-"), target_is_directory=True)
     return link

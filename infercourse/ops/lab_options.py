@@ -13,8 +13,9 @@ Two options, each a task's field (`ops.agent_lab.Task`):
                                                                                 (tag `answer_stop`)
 
 Each option is a rewrite `(body, tags) -> body` the recorder (`ops.agent_capture`) applies to
-generating calls only (`tags` name the task, the agent and the API the call's path speaks); `lab_rewrite` composes a task's options. Hand-written: they edit the
-agent's JSON body field by field, which no proxy library does for these two APIs' fields.
+generating calls only (`tags` name the task, the agent and the API the call's path speaks);
+`lab_rewrite` composes a task's options. Hand-written: they edit the agent's JSON body field by
+field, which no proxy library does for these two APIs' fields.
 """
 from __future__ import annotations
 
