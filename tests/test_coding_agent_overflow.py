@@ -148,7 +148,7 @@ def test_both_predict_guesses_are_scored_against_the_run():
 @pytest.mark.parametrize("notebook, aliases", [
     ("19_coding_agent", {"ca": "coding_agent", "cc": "coding_agent_claims"}),
     ("20_real_coding_agent", {"ra": "real_agent", "rs": "real_agent_session", "rc": "real_agent_claims",
-                              "ce": "context_extension"})])
+                              "ce": "context_extension", "rt": "real_agent_tools"})])
 def test_every_lesson_name_a_notebook_calls_exists(notebook, aliases):
     """A lesson split in two moves names: each `alias.name` a notebook's code uses must be there
     (the notebook run finds a missing one only minutes in)."""

@@ -1132,3 +1132,39 @@ def test_clip_sentence_reports_the_agents_escalation_and_flips_when_nothing_was_
     ended = pd.DataFrame([["t", "ok", 32000, 1067.0, 120, "end_turn", "first call", None]], columns=cols)
     s = rc.clip_sentence(ended, "completed")
     assert "did not clip it" in s and "Then" not in s and "all the room" not in s and s.endswith("completed.")
+
+
+# -- the clipped answer: a room the rounded window really leaves ------------------------------
+def test_the_window_is_rounded_as_llama_cpp_rounds_it():
+    from infercourse.servers.llama import padded_window
+    assert [padded_window(n) for n in (1, 256, 257, 1053 + 100, 1280)] == [256, 256, 512, 1280, 1280]
+
+
+def test_a_padded_prompt_takes_the_fewest_filler_words_that_make_it_long_enough():
+    from infercourse.ops.agent_anatomy import padded_prompt
+    assert padded_prompt(ra.LONG_ANSWER, 0, words) == ra.LONG_ANSWER
+    for extra in (12, 40, 127):
+        p = padded_prompt(ra.LONG_ANSWER, extra, words)
+        assert p.endswith(ra.LONG_ANSWER) and words(p) - words(ra.LONG_ANSWER) == extra
+
+
+def test_the_clip_lab_pads_the_task_so_that_its_first_request_and_the_room_fill_a_rounded_window(tmp_path, monkeypatch):
+    """Asked for a room of 100 after a 1,053-token first request, `-c 1153` would give a 1,280-token
+    window and leave 227: the run sizes the task on a refusing server, then pads the prompt by 127."""
+    runs = []
+
+    def fake_lab(root, name, tasks, *, ctx, **kw):
+        runs.append((name, ctx, tasks[0].prompt))
+        return tmp_path / name
+    monkeypatch.setattr(ra, "lab", fake_lab)
+    monkeypatch.setattr(ra, "first_request_size", lambda out: 1053.0)
+    monkeypatch.setattr(ra, "padded_prompt", lambda prompt, extra: padded_prompt(prompt, extra, words))
+    from infercourse.ops.agent_anatomy import padded_prompt
+    ra.clip_lab(tmp_path, 100, "ci")
+    (sized, size_ctx, plain), (name, ctx, padded) = runs
+    assert (sized, size_ctx, plain) == ("clip-size", ra.SIZING_CTX, ra.LONG_ANSWER)
+    assert name == "clip" and ctx == 1280 and words(padded) - words(plain) == 1280 - 100 - 1053
+    runs.clear()
+    monkeypatch.setattr(ra, "first_request_size", lambda out: 1276.0)   # 4 tokens short of a window: the next one
+    ra.clip_lab(tmp_path, 0, "ci")
+    assert runs[1][1] == 1536 and words(runs[1][2]) - words(ra.LONG_ANSWER) == 1536 - 1276

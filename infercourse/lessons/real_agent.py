@@ -13,11 +13,11 @@ stand-in does not:
 - **cold against warm**: the same task again reuses the whole prefix; **the per-task header**
   (its version suffix follows the task) re-prefills a new task unless turned off;
 - **max_tokens against the window**: the agent asks for 32,000; the server clips the answer
-  at the window, and the agent's attempt to continue it overflows;
+  at the window, and the agent's attempt to continue it overflows (`real_agent_clip`);
 - **compaction**: the agent assumes a 1,000,000-token window for a model it does not know, so
   a session grows until the server refuses it, unless `CLAUDE_CODE_MAX_CONTEXT_TOKENS` tells it
   the real window; whether it then compacts is read from the calls (`real_agent_session`);
-- **retry amplification**: a client timeout shorter than a cold prefill re-sends the request.
+- **retry amplification**: a client timeout shorter than a cold prefill may re-send the request.
 
 Every function here builds lab tasks (`ops.agent_lab.Task`), runs them, or reads a lab run's
 folder into a table (a session's: `real_agent_session`; sentences: `real_agent_claims`).
@@ -30,17 +30,19 @@ from typing import Any
 
 import pandas as pd
 
-from infercourse.ops import agents, netns
-from infercourse.ops.agent_anatomy import embedded_counter
+from infercourse.ops import agents
+from infercourse.ops.agent_anatomy import embedded_counter, padded_prompt
 from infercourse.ops.agent_capture import GENERATING_APIS
+from infercourse.ops.agents import readiness, skip_reason
 from infercourse.ops.agent_lab import (EXTEND_CONTEXT, LabSpec, Task, anatomy, calls_table, extend_flags, refused_size,
                                        run_lab, tasks_table)
+from infercourse.servers.llama import WINDOW_PAD, padded_window
 
 __all__ = ["SIZES", "SHORT_ANSWER", "ANSWER_STOP", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
            "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes", "growing_session",
            "compaction_plan", "first_tokens_at", "told_env", "doctor_on_fresh_server", "calls_table", "tasks_table",
-           "EXTEND_CONTEXT", "extend_flags", "first_request_tokens", "LONG_ANSWER", "clip_lab", "clipped_output_tokens",
-           "TOOL_TASK", "TOOL_ANSWER", "tool_task", "SIZING_CTX"]
+           "EXTEND_CONTEXT", "extend_flags", "first_request_tokens", "first_request_size", "TOOL_TASK", "TOOL_ANSWER",
+           "tool_task", "SIZING_CTX", "LONG_ANSWER", "clip_lab", "clipped_output_tokens"]
 
 SHORT_SYSTEM = "You are a coding assistant. Answer in one short sentence."
 # The two sizes: "full" sends the agents' own requests; "ci" shrinks them with the agents' own
@@ -56,27 +58,6 @@ ANSWER_STOP = ["\n"]   # a lab option (Task.answer_stop, tagged on each call): t
 # the tool round trip: a task that asks for a file, its first call forced to Read (ops.agent_lab's
 # force_first_tool); room for a call whose path the model writes, and turns for the result
 TOOL_TASK, TOOL_ANSWER = "Read the file notes.txt and say what it holds.", {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
-
-
-def readiness() -> pd.DataFrame:
-    """What the real-agent lab needs, and whether this machine has it."""
-    rows = [{"needs": "a loopback-only network namespace", "ready": netns.available(),
-             "why not": netns.why_not()}]
-    for a in agents.AGENTS:
-        why = agents.missing_reason(a)
-        rows.append({"needs": f"{a} {agents.PINS.get(a, '')}", "ready": why is None, "why not": why})
-    return pd.DataFrame(rows)
-
-
-def skip_reason(wanted: list[str]) -> str | None:
-    """None when every agent in `wanted` can run here (sealed), else the first reason why not."""
-    if not netns.available():           # macOS has none: the lab refuses there unless the learner opts in
-        return f"no loopback-only network namespace here ({netns.why_not()}): a real agent is not run"
-    for a in wanted:
-        why = agents.missing_reason(a)
-        if why:
-            return why
-    return None
 
 
 def claude_task(label: str, prompt: str, size: str, *, env: dict[str, str] | None = None,
@@ -150,7 +131,12 @@ def first_request_tokens(root: str | Path, tools: str | None, size: str, *, ctx:
     """
     label = f"tools {'all' if tools is None else tools or 'none'}"
     task = claude_task(label, "Say hello.", size, env=SHORT_ANSWER, timeout_s=timeout_s, tools=tools)
-    first = _first_call(lab(root, _unused(root, name), [task], ctx=ctx, threads=threads, model=model))
+    return first_request_size(lab(root, _unused(root, name), [task], ctx=ctx, threads=threads, model=model))
+
+
+def first_request_size(out: str | Path) -> float:
+    """A lab run's first model call's prompt tokens: the server's usage, or the size its refusal names."""
+    first = _first_call(out)
     n = first.get("prompt_tokens")
     return float(n) if pd.notna(n) else refused_size(first.get("error"))
 
@@ -211,18 +197,26 @@ def evaluated_by_task(out: str | Path) -> pd.DataFrame:
 LONG_ANSWER = "Count from 1 to 400, one number per line."   # an answer longer than the clipped server's room
 
 
-def clip_lab(root: str | Path, first: int, room: int, size: str, *, threads: int = 1, model: str | None = None,
+def clip_lab(root: str | Path, room: int, size: str, *, threads: int = 1, model: str | None = None,
              timeout_s: float = 900, name: str = "clip") -> Path:
-    """The clipped-answer run: one long-answer task on a fresh server sized to leave `room`
-    tokens after the agent's first request at `size` (`first` tokens: `first_tokens_at`); its folder."""
-    task = claude_task("long answer", LONG_ANSWER, size, timeout_s=timeout_s)
-    return lab(root, name, [task], ctx=first + room, threads=threads, model=model)
+    """The clipped-answer run: the long-answer task on a fresh server whose window leaves `room`
+    tokens after the agent's first request at `size`; its folder. llama.cpp rounds a window up to
+    a multiple of 256 (`servers.llama.padded_window`), more room than a small model's own answer:
+    so the task is sized first (`name`-size: one refused call), then a note of filler words is put
+    in front of it (`padded_prompt`) until its first request plus `room` fills a rounded window."""
+    task = lambda prompt: claude_task("long answer", prompt, size, timeout_s=timeout_s)   # noqa: E731
+    first = int(first_request_size(lab(root, f"{name}-size", [task(LONG_ANSWER)], ctx=SIZING_CTX, threads=threads,
+                                       model=model)))
+    window = padded_window(first + room)
+    window += WINDOW_PAD if 0 < window - room - first < 12 else 0   # too few tokens for a note: the next window
+    return lab(root, name, [task(padded_prompt(LONG_ANSWER, window - room - first))], ctx=window, threads=threads,
+               model=model)
 
 
-def clipped_output_tokens(root: str | Path, first: int, room: int, size: str, **kw: Any) -> float:
+def clipped_output_tokens(root: str | Path, room: int, size: str, **kw: Any) -> float:
     """`output_tokens` of the clipped call (the first) on a new `clip_lab` server: exercise 2's
     measurement, with `room` the one setting changed."""
-    return float(clip_view(clip_lab(root, first, room, size, name="clip-room", **kw))["output_tokens"].iloc[0])
+    return float(clip_view(clip_lab(root, room, size, name="clip-room", **kw))["output_tokens"].iloc[0])
 
 
 def clip_view(out: str | Path) -> pd.DataFrame:

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import pandas as pd
 
 __all__ = ["parts", "dissect", "first_difference", "tokenizer_of", "embedded_counter", "compare_parts", "system_key",
-           "write_anatomy"]
+           "write_anatomy", "padded_prompt"]
 
 Part = tuple[str, str, str]   # (kind, label, text)
 
@@ -201,3 +201,20 @@ def write_anatomy(out: str | Path, count: Callable[[str], int]) -> Path:
                                           for k, label, t in ps],
                                 "first_difference": diff, "first_difference_same_system": same}) + "\n")
     return out / "anatomy.jsonl"
+
+
+def padded_prompt(prompt: str, extra: int, count: Callable[[str], int] | None = None) -> str:
+    """`prompt` with a note of filler words in front (the course's evaluation text), the fewest
+    that make it at least `extra` tokens longer by `count` (default: the embedded model's
+    tokenizer; another model's differs by its own error); `prompt` itself when `extra` is 0."""
+    from infercourse.measure.workloads import eval_text
+    if extra <= 0:
+        return prompt
+    count = count or embedded_counter()
+    words, base = eval_text().split(), count(prompt)
+    make = lambda n: f"A note (not part of the task): {' '.join(words[:n])}\n\n{prompt}"   # noqa: E731
+    lo, hi = 0, len(words)
+    while lo < hi:                      # bisect: the token count grows with the words
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if count(make(mid)) - base < extra else (lo, mid)
+    return make(lo)

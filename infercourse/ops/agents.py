@@ -40,9 +40,10 @@ from typing import Any
 
 from infercourse.core.errors import AgentLayerError
 from infercourse.models.embedded import cache_dir
+from infercourse.ops import netns
 
 __all__ = ["AGENTS", "PINS", "pinned_packages", "agents_dir", "binary", "node_needed", "version", "missing_reason",
-           "install",
+           "readiness", "skip_reason", "install",
            "LAB_ENV", "check_env", "sealed_env", "claude_argv", "codex_argv", "codex_config", "claude_settings", "DUMMY_KEY",
            "CLAUDE_WINDOW_ENV", "CLAUDE_ASSUMED_WINDOW", "CLAUDE_AUTO_COMPACT_WINDOW_FLOOR", "claude_window_limits",
            "claude_budget", "CLAUDE_ANSWER_CAP", "CLAUDE_GROWTH"]
@@ -125,6 +126,28 @@ def missing_reason(agent: str) -> str | None:
         return f"{agent} is not installed in {agents_dir()}: {how}"
     if PINS and version(agent) != PINS[agent]:
         return f"{agent} {version(agent)} is installed, the course pins {PINS[agent]}: run `make agents`"
+    return None
+
+
+def readiness() -> "pd.DataFrame":
+    """What the real-agent lab needs, and whether this machine has it."""
+    import pandas as pd
+    rows = [{"needs": "a loopback-only network namespace", "ready": netns.available(),
+             "why not": netns.why_not()}]
+    for a in AGENTS:
+        why = missing_reason(a)
+        rows.append({"needs": f"{a} {PINS.get(a, '')}", "ready": why is None, "why not": why})
+    return pd.DataFrame(rows)
+
+
+def skip_reason(wanted: list[str]) -> str | None:
+    """None when every agent in `wanted` can run here (sealed), else the first reason why not."""
+    if not netns.available():           # macOS has none: the lab refuses there unless the learner opts in
+        return f"no loopback-only network namespace here ({netns.why_not()}): a real agent is not run"
+    for a in wanted:
+        why = missing_reason(a)
+        if why:
+            return why
     return None
 
 
