@@ -1026,6 +1026,7 @@ def test_a_forced_read_closes_a_tool_round_trip_through_the_server(tmp_path):
     trip = rt.tool_round_trip(out)
     assert trip["forced"].notna().sum() == 1 and trip["stop_reason"].iloc[0] == "tool_use"
     assert (trip["tool_results_sent"] > 0).any()
+    assert trip["stop_reason"].iloc[-1] == "end_turn"   # the answer after the result ends at the lab's stop
     assert rt.tool_result_rendered(out, ctx=4096)["rendered_tokens"] > 0
 
 
@@ -1093,12 +1094,15 @@ def test_the_first_request_at_another_size_is_measured_once(tmp_path, monkeypatc
     ra.first_tokens_at.cache_clear()
     runs = []
     monkeypatch.setattr(ra, "first_request_tokens", lambda root, tools, size, **kw: runs.append((tools, size)) or 1033.0)
-    monkeypatch.setattr(ra, "evaluated_by_task", lambda main: pd.DataFrame({"prompt_tokens": [13306, 13341]},
-                                                                           index=["A cold", "C header on"]))
+    calls = pd.DataFrame({"task": ["A cold", "C header on", "C header on"], "status": ["ok", "error", "ok"],
+                          "prompt_tokens": [13306, None, 13341]})   # C's first copy cut by the client: no usage
+    monkeypatch.setattr(ra, "_model_calls", lambda main: calls)
     assert ra.first_tokens_at(tmp_path, "ci", "main", "full") == 1033
     assert ra.first_tokens_at(tmp_path, "ci", "main", "full") == 1033 and runs == [("Read", "ci")]
     # at the main run's size: its task with the billing header on, as the sessions run (A's is off)
     assert ra.first_tokens_at(tmp_path, "full", "main", "full") == 13341 and len(runs) == 1
+    calls.loc[2, "status"] = "error"     # no answered call of C at all: sized by a refusal instead
+    assert ra.first_tokens_at(tmp_path / "other", "full", "main", "full") == 1033 and runs[-1] == (None, "full")
     ra.first_tokens_at.cache_clear()
 
 
@@ -1168,3 +1172,26 @@ def test_the_clip_lab_pads_the_task_so_that_its_first_request_and_the_room_fill_
     monkeypatch.setattr(ra, "first_request_size", lambda out: 1276.0)   # 4 tokens short of a window: the next one
     ra.clip_lab(tmp_path, 0, "ci")
     assert runs[1][1] == 1536 and words(runs[1][2]) - words(ra.LONG_ANSWER) == 1536 - 1276
+
+
+def test_a_changed_tool_schema_is_named_with_its_sizes_and_the_sentence_flips_when_only_messages_differ():
+    """qwen-code's second task sent its `task` tool with another description (1,090 tokens, then 150):
+    the prefix cache lost everything from tool 0 on; the sentence must name the part, not the messages."""
+    part = lambda name, n: {"part": name, "kind": name.split()[0], "tokens": n}   # noqa: E731
+    diff = lambda p, k: {"part": p, "kind": k}   # noqa: E731
+    recs = [{"request_id": 0, "task": "A", "system_key": "s", "parts": [part("system 0", 5125), part("tool 0: task", 1090),
+                                                                         part("message 0", 20)],
+             "first_difference_same_system": diff(None, "first call")},
+            {"request_id": 1, "task": "A2", "system_key": "s", "parts": [part("system 0", 5125), part("tool 0: task", 150),
+                                                                          part("message 0", 20)],
+             "first_difference_same_system": diff("tool 0: task", "tool")}]
+    calls = pd.DataFrame({"request_id": [0, 1], "prompt_tokens": [11675.0, 10736.0], "evaluated_tokens": [11675.0, 5568.0]})
+    s = rc.changed_part_sentence(recs, calls)
+    assert "Call 1 (A2) first differed from call 0 (A) inside tool 0: task" in s
+    assert "1,090 tokens there, 150 here" in s and "evaluated 5,568 of its 10,736" in s
+    recs[1]["parts"][1] = part("tool 0: task", 1090)
+    recs[1]["first_difference_same_system"] = diff("message 0", "message")
+    s = rc.changed_part_sentence(recs, calls)
+    assert "None of the 1 call(s)" in s and "stayed the same" in s and "tool 0" not in s
+    side = {**recs[1], "request_id": 2, "system_key": "other", "first_difference_same_system": diff(None, "first call")}
+    assert "None of the 1 call(s)" in rc.changed_part_sentence([recs[0], side, recs[1]], calls)   # a side call: not compared

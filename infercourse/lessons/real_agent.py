@@ -40,7 +40,7 @@ from infercourse.servers.llama import WINDOW_PAD, padded_window
 
 __all__ = ["SIZES", "SHORT_ANSWER", "ANSWER_STOP", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
            "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes", "growing_session",
-           "compaction_plan", "first_tokens_at", "told_env", "doctor_on_fresh_server", "calls_table", "tasks_table",
+           "compaction_plan", "first_tokens_at", "told_env", "doctor_on_fresh_server", "calls_table", "tasks_table", "anatomy",
            "EXTEND_CONTEXT", "extend_flags", "first_request_tokens", "first_request_size", "TOOL_TASK", "TOOL_ANSWER",
            "tool_task", "SIZING_CTX", "LONG_ANSWER", "clip_lab", "clipped_output_tokens"]
 
@@ -53,8 +53,9 @@ SIZES = {"full": {"claude-code": {}, "codex": {}},
                 "codex": {"codex": {"instructions": SHORT_SYSTEM}}}}
 SHORT_ANSWER = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}   # where the answer's length is not the lesson
 SIZING_CTX = 512   # a window no first request fits: the server refuses it at once, naming its size (no prefill)
-ANSWER_STOP = ["\n"]   # a lab option (Task.answer_stop, tagged on each call): the answer ends at its first line,
-# not at the cap, which the agent counts as an API error (a summary cut there: a failed compaction, asked again)
+ANSWER_STOP = ["\n", ". "]   # a lab option (Task.answer_stop, tagged on each call): the answer ends at its first line
+# or sentence, not at the cap, which the agent counts as an API error (a summary cut there: a failed compaction,
+# asked again); a pasted text echoed back has sentences but no line break
 # the tool round trip: a task that asks for a file, its first call forced to Read (ops.agent_lab's
 # force_first_tool); room for a call whose path the model writes, and turns for the result
 TOOL_TASK, TOOL_ANSWER = "Read the file notes.txt and say what it holds.", {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
@@ -68,9 +69,10 @@ def claude_task(label: str, prompt: str, size: str, *, env: dict[str, str] | Non
 
 
 def tool_task(size: str, *, timeout_s: float = 900) -> Task:
-    """The tool round trip: Read alone, forced on the first call (`Task.force_first_tool`), three turns."""
+    """The tool round trip: Read alone, forced on the first call (`Task.force_first_tool`), three
+    turns; the answers after it end at their first line or sentence (`ANSWER_STOP`, not the forced call)."""
     return claude_task("tool round trip", TOOL_TASK, size, env=TOOL_ANSWER, timeout_s=timeout_s, tools="Read",
-                       force_first_tool="Read", max_turns=3)
+                       force_first_tool="Read", max_turns=3, answer_stop=ANSWER_STOP)
 
 
 def codex_task(label: str, prompt: str, size: str, *, timeout_s: float = 900, **codex: Any) -> Task:
@@ -312,10 +314,13 @@ def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_outp
 def first_tokens_at(root: str | Path, size: str, main: str | Path, main_size: str, *, threads: int = 1,
                     model: str | None = None, timeout_s: float = 900) -> int:
     """Claude Code's first request (prompt tokens, billing header on) at `size`: C header on's in
-    the `main` run if it ran at `size`, else one task at `size` sized by a fresh server's refusal
-    (`first_request_tokens` at `SIZING_CTX`), once per folder."""
-    if size == main_size:
-        return int(evaluated_by_task(main).loc["C header on", "prompt_tokens"])
+    the `main` run if it ran at `size` (its first answered call: a copy the client cut has no
+    usage), else one task at `size` sized by a fresh server's refusal (`first_request_tokens` at
+    `SIZING_CTX`), once per folder."""
+    calls = _model_calls(main) if size == main_size else pd.DataFrame(columns=["task", "status", "prompt_tokens"])
+    sized = calls.loc[(calls["task"] == "C header on") & (calls["status"] == "ok"), "prompt_tokens"].dropna()
+    if len(sized):
+        return int(sized.iloc[0])
     return int(first_request_tokens(root, SIZES[size]["claude-code"].get("tools"), size, threads=threads,
                                     model=model, timeout_s=timeout_s, name=f"first-{size}"))
 

@@ -17,7 +17,7 @@ import pandas as pd
 from infercourse.ops.agent_lab import refused_size, refused_window
 
 __all__ = ["ends_sentence", "ledger_sentence", "cold_warm_sentence", "header_sentence", "amplification_sentence", "plan_sentence", "compaction_sentence",
-           "rewrite_sentence", "clip_sentence"]
+           "rewrite_sentence", "clip_sentence", "changed_part_sentence"]
 
 
 def _fold(ratio: float) -> str:
@@ -263,3 +263,40 @@ def ledger_sentence(led: pd.DataFrame) -> str:
             f"them made the server evaluate 1,000 prompt tokens or more, and their tasks took "
             f"{led['wall_s'].sum():,.0f} s. The run with most such calls: {top} "
             f"({led.loc[top, 'big_prefills']:,} of {led.loc[top, 'model_calls']:,} calls, {led.loc[top, 'wall_s']:,.0f} s).")
+
+
+def changed_part_sentence(records: list[dict[str, Any]], calls: pd.DataFrame, most: int = 3) -> str:
+    """Calls whose first difference from the last call with the same system prompt lies in a part
+    both carry (a system block or a tool schema the agent sent changed: the prefix cache loses
+    everything from it on): that part's tokens in each call, and what the server evaluated. Where
+    no first difference lies in such a part, that the system text and the tools stayed the same.
+
+    Args:
+        records: the capture's anatomy (`ops.agent_lab.anatomy`: parts and first differences).
+        calls: its calls table (`real_agent.calls_table`: prompt and evaluated tokens per request).
+    """
+    last: dict[str, dict[str, Any]] = {}
+    found, compared = [], 0
+    for r in records:
+        prev, d = last.get(r.get("system_key")), r.get("first_difference_same_system") or {}
+        if prev is not None:
+            compared += 1
+            before, now = ({p["part"]: p["tokens"] for p in x["parts"]} for x in (prev, r))
+            if d.get("kind") in ("system", "tool") and d.get("part") in before and d.get("part") in now:
+                found.append((r, prev, d["part"], before[d["part"]], now[d["part"]]))
+        last[r.get("system_key")] = r
+    if not found:
+        return (f"None of the {compared} call(s) compared with an earlier one of the same system prompt first "
+                "differed inside a system block or a tool schema: the system text and the tools stayed the same, "
+                "and each first difference lay in the messages." if compared else "No two calls shared a system prompt.")
+    by_id = calls.set_index("request_id") if "request_id" in calls else pd.DataFrame()
+    out = []
+    for r, prev, part, a, b in found[:most]:
+        c = by_id.loc[r["request_id"]] if r["request_id"] in by_id.index else pd.Series(dtype=object)
+        ev = (f"; the server evaluated {c['evaluated_tokens']:,.0f} of its {c['prompt_tokens']:,.0f} prompt tokens"
+              if pd.notna(c.get("evaluated_tokens")) and pd.notna(c.get("prompt_tokens")) else "")
+        size = f"{a:,} tokens there, {b:,} here" if a != b else f"{a:,} tokens in both, other text"
+        out.append(f"Call {r['request_id']} ({r.get('task')}) first differed from call {prev['request_id']} "
+                   f"({prev.get('task')}) inside {part}, a part both carry: {size}{ev}.")
+    more = f" {len(found) - most} more call(s) did the same." if len(found) > most else ""
+    return " ".join(out) + more + " The agent sent that part changed: the prefix cache reuses nothing after it."
