@@ -13,7 +13,8 @@ stand-in does not:
 - **cold against warm**: the same task again reuses the whole prefix; **the per-task header**
   (its version suffix follows the task) re-prefills a new task unless turned off;
 - **max_tokens against the window**: the agent asks for 32,000; the server clips the answer
-  at the window, and the agent's attempt to continue it overflows (`real_agent_clip`);
+  at the window (`clip_lab` pads the task to the window llama.cpp rounds up), and the agent's
+  attempt to continue it overflows;
 - **compaction**: the agent assumes a 1,000,000-token window for a model it does not know, so
   a session grows until the server refuses it, unless `CLAUDE_CODE_MAX_CONTEXT_TOKENS` tells it
   the real window; whether it then compacts is read from the calls (`real_agent_session`);
