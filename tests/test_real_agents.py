@@ -1140,7 +1140,7 @@ def test_clip_sentence_reports_the_agents_escalation_and_flips_when_nothing_was_
 
 # -- the clipped answer: a room the rounded window really leaves ------------------------------
 def test_the_window_is_rounded_as_llama_cpp_rounds_it():
-    from infercourse.servers.llama import padded_window
+    from infercourse.ops.agent_budget import padded_window
     assert [padded_window(n) for n in (1, 256, 257, 1053 + 100, 1280)] == [256, 256, 512, 1280, 1280]
 
 

@@ -33,11 +33,11 @@ import pandas as pd
 
 from infercourse.ops import agents
 from infercourse.ops.agent_anatomy import embedded_counter, padded_prompt
+from infercourse.ops.agent_budget import WINDOW_PAD, padded_window
 from infercourse.ops.agent_capture import GENERATING_APIS
 from infercourse.ops.agents import readiness, skip_reason
 from infercourse.ops.agent_lab import (EXTEND_CONTEXT, LabSpec, Task, anatomy, calls_table, extend_flags, refused_size,
                                        run_lab, tasks_table)
-from infercourse.servers.llama import WINDOW_PAD, padded_window
 
 __all__ = ["SIZES", "SHORT_ANSWER", "ANSWER_STOP", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
            "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes", "growing_session",
@@ -204,7 +204,7 @@ def clip_lab(root: str | Path, room: int, size: str, *, threads: int = 1, model:
              timeout_s: float = 900, name: str = "clip") -> Path:
     """The clipped-answer run: the long-answer task on a fresh server whose window leaves `room`
     tokens after the agent's first request at `size`; its folder. llama.cpp rounds a window up to
-    a multiple of 256 (`servers.llama.padded_window`), more room than a small model's own answer:
+    a multiple of 256 (`agent_budget.padded_window`), more room than a small model's own answer:
     so the task is sized first (`name`-size: one refused call), then a note of filler words is put
     in front of it (`padded_prompt`) until its first request plus `room` fills a rounded window."""
     task = lambda prompt: claude_task("long answer", prompt, size, timeout_s=timeout_s)   # noqa: E731
@@ -314,14 +314,14 @@ def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_outp
 @functools.lru_cache(maxsize=None)
 def first_tokens_at(root: str | Path, size: str, main: str | Path, main_size: str, *, threads: int = 1,
                     model: str | None = None, timeout_s: float = 900) -> int:
-    """Claude Code's first request (prompt tokens, billing header on) at `size`: C header on's in
-    the `main` run if it ran at `size` (its first answered call: a copy the client cut has no
-    usage), else one task at `size` sized by a fresh server's refusal (`first_request_tokens` at
-    `SIZING_CTX`), once per folder."""
-    calls = _model_calls(main) if size == main_size else pd.DataFrame(columns=["task", "status", "prompt_tokens"])
-    sized = calls.loc[(calls["task"] == "C header on") & (calls["status"] == "ok"), "prompt_tokens"].dropna()
-    if len(sized):
-        return int(sized.iloc[0])
+    """Claude Code's first request (prompt tokens, billing header on) at `size`: C header on's first
+    answered call in the `main` run if it ran at `size` (a copy the client cut has no usage), else one
+    task at `size` sized by a fresh server's refusal (`first_request_tokens` at `SIZING_CTX`), once."""
+    if size == main_size:
+        calls = _model_calls(main)
+        sized = calls.loc[(calls["task"] == "C header on") & (calls["status"] == "ok"), "prompt_tokens"].dropna()
+        if len(sized):
+            return int(sized.iloc[0])
     return int(first_request_tokens(root, SIZES[size]["claude-code"].get("tools"), size, threads=threads,
                                     model=model, timeout_s=timeout_s, name=f"first-{size}"))
 

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 __all__ = ["CLAUDE_WINDOW_ENV", "CLAUDE_ASSUMED_WINDOW", "CLAUDE_OUTPUT_RESERVE_CAP", "CLAUDE_COMPACT_BUFFER",
            "CLAUDE_BLOCKING_BUFFER", "CLAUDE_AUTO_COMPACT_WINDOW_FLOOR", "CLAUDE_ANSWER_CAP", "CLAUDE_MIN_ANSWER_CAP",
-           "CLAUDE_GROWTH", "claude_window_limits", "claude_budget", "budget_line"]
+           "CLAUDE_GROWTH", "claude_window_limits", "claude_budget", "budget_line", "WINDOW_PAD", "padded_window"]
+
+WINDOW_PAD = 256   # llama.cpp rounds a context's window up to a multiple of this (llama_context: GGML_PAD(n_ctx, 256))
+
+
+def padded_window(tokens: int) -> int:
+    """The window llama.cpp gives a context asked for `tokens` (`-c`): rounded up to `WINDOW_PAD`."""
+    return -(-int(tokens) // WINDOW_PAD) * WINDOW_PAD
 
 # Claude Code's own window arithmetic, read from the pinned 2.1.328's code (another version may
 # differ; notebook 20 measures where it compacts). For a model id it does not know it assumes
@@ -62,7 +69,7 @@ def claude_budget(first: int, window: int | None = None, *, growth: int = CLAUDE
     """
     if window is None:
         need = first + growth + CLAUDE_COMPACT_BUFFER + min(answer_cap, CLAUDE_OUTPUT_RESERVE_CAP)
-        window = -(-need // 256) * 256
+        window = padded_window(need)
     room = window - CLAUDE_COMPACT_BUFFER - first - growth          # what is left for the answer's reserve
     cap = 32_000 if room >= CLAUDE_OUTPUT_RESERVE_CAP else room
     fits = cap >= CLAUDE_MIN_ANSWER_CAP

@@ -33,7 +33,7 @@ import httpx
 
 from infercourse.core.errors import InferCourseError
 from infercourse.measure.workloads import DATA_DIR
-from infercourse.ops.agent_budget import CLAUDE_WINDOW_ENV, budget_line, claude_budget
+from infercourse.ops.agent_budget import CLAUDE_WINDOW_ENV, budget_line, claude_budget, padded_window
 from infercourse.ops.anthropic_probe import post_messages as _messages
 from infercourse.ops.layers import LayerCheck
 from infercourse.ops.prefill_probe import cold_forecast, cold_text, curve_lengths, probe_curve
@@ -231,7 +231,7 @@ def window_needed(agent: str, shape: dict[str, Any], min_output: int = 1024) -> 
     for Claude Code `claude_budget`'s (a usable answer cap and room to grow before it compacts)."""
     if agent == "claude-code":
         return int(claude_budget(int(shape["prompt_tokens"]))["window"])
-    return -(-(int(shape["prompt_tokens"]) + min_output) // 256) * 256
+    return padded_window(int(shape["prompt_tokens"]) + min_output)
 
 
 def server_fix(agent: str, ev: dict[str, Any], shape: dict[str, Any], min_output: int = 1024) -> str | None:

@@ -15,15 +15,7 @@ from infercourse.core.errors import BackendMissingError, ModelLayerError
 from infercourse.models.embedded import resolve_model
 from infercourse.servers.process import Server
 
-__all__ = ["LlamaServer", "LlamaCppPythonServer", "llama_server_binary", "llama_build_info", "WINDOW_PAD",
-           "padded_window"]
-
-WINDOW_PAD = 256   # llama.cpp rounds a context's window up to a multiple of this (llama_context: GGML_PAD(n_ctx, 256))
-
-
-def padded_window(tokens: int) -> int:
-    """The window llama.cpp gives a context asked for `tokens` (`-c`): rounded up to `WINDOW_PAD`."""
-    return -(-int(tokens) // WINDOW_PAD) * WINDOW_PAD
+__all__ = ["LlamaServer", "LlamaCppPythonServer", "llama_server_binary", "llama_build_info"]
 
 
 def llama_server_binary() -> Path:
