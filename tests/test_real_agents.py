@@ -893,19 +893,45 @@ def _replay(evaluated, rewrites, prompt=3000):
 
 def test_rewrite_sentence_flips_with_what_each_family_paid():
     """Issue 34 §3: the told session replayed on both families; where a rewrite's change lies past
-    the sliding window, Gemma 3 re-evaluates the whole prompt and --swa-full does not."""
+    the sliding window, Gemma 3 re-evaluates the whole prompt and --swa-full does not. Each rewrite
+    is its own row (a median of two rewrites hid the one where the families part ways)."""
     flags = [False, False, True, False, True]
-    t = rs.rewrite_table({"full attention": _replay([3000, 100, 400, 90, 500], flags),
-                          "sliding window": _replay([3000, 100, 3000, 90, 3000], flags),
-                          "--swa-full": _replay([3000, 100, 400, 90, 500], flags)})
-    assert list(t["rewrites"]) == [2, 2, 2] and t.loc["sliding window", "evaluated_per_rewrite"] == 3000
-    assert t.loc["full attention", "evaluated_per_other_call"] == 95        # the cold first call left out
+    t = rs.rewrite_table({"full attention": _replay([3000, 100, 2990, 90, 2500], flags),
+                          "sliding window": _replay([3000, 100, 2999, 90, 3000], flags),
+                          "--swa-full": _replay([3000, 100, 2995, 90, 2550], flags)})
+    assert list(t.index.get_level_values("rewrite")) == [1, 2] * 3
+    assert t.loc[("sliding window", 2), "reused"] == 0 and t.loc[("full attention", 2), "reused_share"] == 500 / 3000
     s = rc.rewrite_sentence(t)
-    assert re.search(r"\*\*sliding window\*\*: at the 2 call\(s\) that rewrote the history it evaluated a median of "
-                     r"3,000 of 3,000 prompt tokens \(100%, 6\.7× full attention's\)", s)
-    assert re.search(r"\*\*--swa-full\*\*: [^*]*450 of 3,000 prompt tokens \(15%, 1\.0× full attention's\)", s)
+    assert "**Rewrite 1** (t): full attention reused 10 of 3,000 prompt tokens (0%) and evaluated 2,990" in s
+    assert "reused almost nothing: the change sat at the top of the prompt, and every family evaluated it whole" in s
+    assert re.search(r"\*\*Rewrite 2\*\* \(t\): [^*]*sliding window reused 0 of 3,000[^*]* sliding window lost the "
+                     r"prefix full attention kept and evaluated the prompt again from the top; --swa-full kept it\.", s)
+    same = rs.rewrite_table({"full attention": _replay([3000, 100, 2990, 90, 2500], flags),
+                             "sliding window": _replay([3000, 100, 2990, 90, 2600], flags)})
+    assert "No replay lost the prefix full attention kept." in rc.rewrite_sentence(same)
+    top = rs.rewrite_table({"full attention": _replay([3000, 100, 2990], flags[:3]),
+                            "other": _replay([3000, 100, 2000], flags[:3])})
+    assert "reused almost nothing: the change sat at the top of the prompt, and other kept more." in rc.rewrite_sentence(top)
     none = rs.rewrite_table({"full attention": _replay([3000, 100], [False, False])})
     assert "no call of the 2 replayed rewrote the history" in rc.rewrite_sentence(none)
+
+
+def test_the_session_s_own_server_is_read_not_replayed(tmp_path, monkeypatch):
+    """Issue 33 §5: the embedded model's replay repeated the told session on the same kind of
+    server (127 s at full size, the same counts); its calls are read in the replay's columns,
+    through the same rewrite, and a refused call carries no usage."""
+    calls = pd.DataFrame({"request_id": range(4), "task": ["t0", "t1", "t1", "t2"], "api": "anthropic",
+                          "path": "/v1/messages?beta=true", "status": ["ok", "error", "ok", "ok"],
+                          "prompt_tokens": [5000, None, 5800, 7000], "cached_tokens": [0, None, 25, 5800],
+                          "evaluated_tokens": [5000, None, 5775, 1200], "ttft_s": [30.0, None, 31.0, 8.0]})
+    monkeypatch.setattr(rs, "calls_table", lambda out: calls)
+    monkeypatch.setattr(rs, "_rewrites", lambda gen, out: gen.assign(rewrote_history=[False, False, True, False][:len(gen)]))
+    own = rs.session_calls(tmp_path, through_rewrites=1)
+    assert list(own["request_id"]) == [0, 1, 2] and list(own["status"]) == [200, 400, 200]
+    assert own.loc[2, "reused"] == 25 and own.loc[2, "evaluated"] == 5775 and own.loc[2, "seconds"] == 31.0
+    t = rs.rewrite_table({"own": own})
+    assert t.loc[("own", 1), "calls"] == 2 and t.loc[("own", 1), "turn"] == "t1"
+    assert len(rs.session_calls(tmp_path)) == 4
 
 
 def test_a_lab_cell_run_again_writes_a_new_folder(tmp_path, monkeypatch):

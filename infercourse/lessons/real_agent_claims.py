@@ -235,21 +235,36 @@ def compaction_sentence(as_is: pd.DataFrame, told: pd.DataFrame, window: int) ->
     return f"On a {window:,}-token server. {_session_clause('As is', a)}. {_session_clause('Told the window', t)}. {verdict}"
 
 
-def rewrite_sentence(table: pd.DataFrame) -> str:
-    """What each replay of the session re-evaluated at the calls that rewrote the history and
-    at the others (`real_agent_session.rewrite_table`; exact counts, no noise floor), and how
-    many times the first replay's rewrite cost each other replay paid."""
-    out, base = [], table.iloc[0]
-    for label, r in table.iterrows():
-        if not r["rewrites"]:
-            out.append(f"**{label}**: no call of the {int(r['calls'])} replayed rewrote the history.")
+def rewrite_sentence(table: pd.DataFrame, nothing: float = 0.02) -> str:
+    """What each replay of the session reused and evaluated at each call that rewrote the history
+    (`real_agent_session.rewrite_table`; exact counts, no noise floor), and, per rewrite, which
+    replays lost what the first (the reference) kept: a share reused under half the reference's.
+    Where the reference reused under `nothing` of its prompt, the change sat at the top and no
+    family had a prefix to keep. Shares, not tokens, are compared: the families' tokenizers differ."""
+    labels = list(dict.fromkeys(table.index.get_level_values("replay")))
+    ref, out = labels[0], []
+    for label in labels:
+        if 0 in table.loc[label].index:
+            out.append(f"**{label}**: no call of the {int(table.loc[(label, 0), 'calls'])} replayed rewrote the history.")
+    for k in sorted(k for k in set(table.index.get_level_values("rewrite")) if k > 0):
+        rows = table.xs(k, level="rewrite")
+        each = "; ".join(f"{label} reused {r['reused']:,.0f} of {r['prompt_tokens']:,.0f} prompt tokens "
+                         f"({r['reused_share']:.0%}) and evaluated {r['evaluated']:,.0f}" for label, r in rows.iterrows())
+        head = f"**Rewrite {k}** ({rows['turn'].iloc[0]}): {each}."
+        if ref not in rows.index:
+            out.append(head)
             continue
-        share = r["evaluated_per_rewrite"] / r["prompt_at_rewrites"] if r["prompt_at_rewrites"] else float("nan")
-        times = (f", {r['evaluated_per_rewrite'] / base['evaluated_per_rewrite']:.1f}× {table.index[0]}'s"
-                 if label != table.index[0] and base["evaluated_per_rewrite"] > 0 else "")
-        out.append(f"**{label}**: at the {int(r['rewrites'])} call(s) that rewrote the history it evaluated a median of "
-                   f"{r['evaluated_per_rewrite']:,.0f} of {r['prompt_at_rewrites']:,.0f} prompt tokens ({share:.0%}{times}); "
-                   f"at the other calls, {r['evaluated_per_other_call']:,.0f}.")
+        base = rows.loc[ref, "reused_share"]
+        if base < nothing:
+            more = [lb for lb in rows.index if rows.loc[lb, "reused_share"] >= nothing]
+            out.append(f"{head} {ref} reused almost nothing: the change sat at the top of the prompt, and "
+                       + (f"every family evaluated it whole." if not more else f"{' and '.join(more)} kept more."))
+            continue
+        lost = [lb for lb in rows.index if lb != ref and rows.loc[lb, "reused_share"] < base / 2]
+        kept = [lb for lb in rows.index if lb != ref and lb not in lost]
+        verdict = (f" {' and '.join(lost)} lost the prefix {ref} kept and evaluated the prompt again from the top"
+                   if lost else f" No replay lost the prefix {ref} kept")
+        out.append(head + verdict + (f"; {' and '.join(kept)} kept it." if lost and kept else "."))
     return " ".join(out)
 
 

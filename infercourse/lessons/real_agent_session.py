@@ -16,9 +16,10 @@ server of another model (each asking for one token): what that server re-evaluat
 call, read from its per-request timings. On a sliding-window model (Gemma 3, 512-token
 window) a prompt that changes *inside* the history, past the window, is evaluated whole
 again unless the server keeps the full cache (`--swa-full`); a full-attention model re-reads
-only what follows the change. `rewrite_table` sets the families and settings side by side
-at the calls that rewrote the history and at the others. The bodies never leave the results
-folder; only the counts are shown.
+only what follows the change. `session_calls` reads the same columns from the session's own
+server (its model need not be replayed: the session already sent those requests to it).
+`rewrite_table` sets the families and settings side by side, one row per rewrite of the
+history. The bodies never leave the results folder; only the counts are shown.
 
 `prefill_ledger(root)` counts what a notebook's lab runs paid in prefill, run by run: the
 calls that made the server evaluate a thousand tokens or more (a cold start, a busted prefix,
@@ -39,7 +40,7 @@ from infercourse.ops.agent_stream import usage_tokens
 from infercourse.ops.agent_lab import anatomy, calls_table, refused_size, tasks_table
 from infercourse.ops.anthropic_probe import post_messages
 
-__all__ = ["KEPT_SHARE", "session_view", "replay_session", "rewrite_table", "prefill_ledger"]
+__all__ = ["KEPT_SHARE", "session_view", "session_calls", "replay_session", "rewrite_table", "prefill_ledger"]
 
 KEPT_SHARE = 0.5   # a first message that keeps less of the one before than this was replaced, not grown
 
@@ -104,6 +105,32 @@ def session_view(out: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _replayed(out: str | Path, max_calls: int | None, through_rewrites: int | None) -> pd.DataFrame:
+    """The session's calls that asked for an answer (not count_tokens), in order, marked where
+    they rewrote the history; the first `max_calls`, through the `through_rewrites`-th rewrite."""
+    calls = calls_table(out)
+    answer = (calls["api"] == "anthropic") & (calls["path"].str.split("?").str[0] == "/v1/messages")
+    gen = _rewrites(calls[answer].copy(), out)
+    gen = gen.head(max_calls) if max_calls else gen
+    if through_rewrites and gen["rewrote_history"].sum() >= through_rewrites:
+        gen = gen.iloc[:int(gen["rewrote_history"].cumsum().searchsorted(through_rewrites)) + 1]
+    return gen
+
+
+def session_calls(out: str | Path, *, max_calls: int | None = None, through_rewrites: int | None = None) -> pd.DataFrame:
+    """`replay_session`'s columns read from the session's own server: the calls it answered
+    (the same selection), the prompt tokens it reused and evaluated (its own usage), and the
+    time to the first token (`seconds`: the prefill, nearly all of it). No replay is needed for
+    the model the session ran on; a call the server refused has no usage (status 400)."""
+    gen = _replayed(out, max_calls, through_rewrites)
+    ok = gen["status"] == "ok"
+    return pd.DataFrame({"request_id": gen["request_id"], "task": gen["task"],
+                         "rewrote_history": gen["rewrote_history"].astype(bool), "status": ok.map({True: 200, False: 400}),
+                         "prompt_tokens": gen["prompt_tokens"].where(ok), "reused": gen["cached_tokens"].where(ok),
+                         "evaluated": gen["evaluated_tokens"].where(ok), "seconds": gen["ttft_s"].where(ok)}
+                        ).reset_index(drop=True)
+
+
 def replay_session(out: str | Path, *, model: str | Path | None = None, ctx: int = 8192, threads: int | None = 1,
                    swa_full: bool = False, template: str | Path | None = None, max_calls: int | None = None,
                    through_rewrites: int | None = None, server_args: list[str] | tuple[str, ...] = (),
@@ -124,12 +151,7 @@ def replay_session(out: str | Path, *, model: str | Path | None = None, ctx: int
         server_args: more llama-server flags (the YaRN flags where `ctx` passes the trained context).
     """
     from infercourse.servers import LlamaServer
-    calls = calls_table(out)
-    answer = (calls["api"] == "anthropic") & (calls["path"].str.split("?").str[0] == "/v1/messages")
-    gen = _rewrites(calls[answer].copy(), out)     # the calls that asked for an answer, not count_tokens
-    gen = gen.head(max_calls) if max_calls else gen
-    if through_rewrites and gen["rewrote_history"].sum() >= through_rewrites:
-        gen = gen.iloc[:int(gen["rewrote_history"].cumsum().searchsorted(through_rewrites)) + 1]
+    gen = _replayed(out, max_calls, through_rewrites)
     extra = (["--swa-full"] if swa_full else []) + (["--chat-template-file", str(template)] if template else []) \
         + list(server_args)
     rows: list[dict[str, Any]] = []
@@ -152,19 +174,21 @@ def replay_session(out: str | Path, *, model: str | Path | None = None, ctx: int
 
 
 def rewrite_table(replays: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """Per replay (family and setting): calls, the tokens evaluated again at the calls that
-    rewrote the history (median and in all) and at the others (median: what an appended turn
-    costs), and the calls' seconds in all (one output token each: nearly all prefill)."""
+    """One row per replay (family and setting) and rewrite of the history (1, 2...: the calls
+    that rewrote it, in order): that call's turn, prompt tokens, tokens reused from the cache and
+    evaluated again, and the share reused; `calls` and `seconds_total` are the replay's own (its
+    calls answered, their seconds in all). A replay with no rewrite has one row, rewrite 0."""
     rows = []
     for label, df in replays.items():
         ok = df[df["status"] == 200]
-        rw, rest = ok[ok["rewrote_history"]], ok[~ok["rewrote_history"]].iloc[1:]   # the first call is cold
-        rows.append({"replay": label, "calls": len(ok), "rewrites": len(rw),
-                     "evaluated_per_rewrite": rw["evaluated"].median() if len(rw) else float("nan"),
-                     "prompt_at_rewrites": rw["prompt_tokens"].median() if len(rw) else float("nan"),
-                     "evaluated_per_other_call": rest["evaluated"].median() if len(rest) else float("nan"),
-                     "evaluated_total": ok["evaluated"].sum(), "seconds_total": ok["seconds"].sum()})
-    return pd.DataFrame(rows).set_index("replay")
+        whole = {"calls": len(ok), "seconds_total": ok["seconds"].sum()}
+        rw = ok[ok["rewrote_history"]]
+        if not len(rw):
+            rows.append({"replay": label, "rewrite": 0, **whole})
+        for k, r in enumerate(rw.itertuples(), 1):
+            rows.append({"replay": label, "rewrite": k, "turn": r.task, "prompt_tokens": r.prompt_tokens,
+                         "reused": r.reused, "evaluated": r.evaluated, "reused_share": r.reused / r.prompt_tokens, **whole})
+    return pd.DataFrame(rows).set_index(["replay", "rewrite"])
 
 
 def prefill_ledger(root: str | Path, least: int = 1000) -> pd.DataFrame:
