@@ -121,7 +121,8 @@ def session_calls(out: str | Path, *, max_calls: int | None = None, through_rewr
     """`replay_session`'s columns read from the session's own server: the calls it answered
     (the same selection), the prompt tokens it reused and evaluated (its own usage), and the
     time to the first token (`seconds`: the prefill, nearly all of it). No replay is needed for
-    the model the session ran on; a call the server refused has no usage (status 400)."""
+    the model the session ran on; a call that failed (refused for size, or cut by the client) has no
+    usage (status 400)."""
     gen = _replayed(out, max_calls, through_rewrites)
     ok = gen["status"] == "ok"
     return pd.DataFrame({"request_id": gen["request_id"], "task": gen["task"],
