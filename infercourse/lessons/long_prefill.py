@@ -48,6 +48,7 @@ from infercourse.measure.results import new_run_dir
 from infercourse.measure.workloads import exact_length_prompt
 from infercourse.models.embedded import vocab_tokenizer
 from infercourse.models.modelcard import model_card
+from infercourse.ops.agent_budget import padded_window
 from infercourse.ops.agent_lab import extend_flags
 from infercourse.servers import LlamaServer
 
@@ -167,7 +168,7 @@ def prefill_curve_run(lengths: Sequence[int] = SIZES["full"]["lengths"],
     if not set(compare_at) <= set(lengths):
         raise ValueError(f"compare_at {sorted(compare_at)} must be among lengths {sorted(lengths)}")
     t0, busy = time.perf_counter(), noise.contention()
-    ctx = -(-(max(lengths) + 256) // 256) * 256     # the longest prompt, its one token, and slack
+    ctx = padded_window(max(lengths) + 256)     # the longest prompt, its one token, and slack (llama.cpp's rounding)
     extra = extend_flags(ctx, model)
     prompts = length_prompts(lengths, model, seed)
     ref, *alts = configs
