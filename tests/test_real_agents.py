@@ -593,6 +593,11 @@ def test_each_task_ends_in_the_agents_own_words():
     thrash = {"exit": 1, "is_error": True, "subtype": "success", "terminal_reason": "rapid_refill_breaker",
               "result_preview": "Autocompact is thrashing: the context refilled to the limit within 3 turns"}
     assert agent_outcome(thrash).startswith("rapid_refill_breaker: Autocompact is thrashing")
+    # Qwen Code exits 0, calls it a success and answers with the server's refusal (seen on 20's default server)
+    qwen = {"exit": 0, "is_error": False, "subtype": "success", "result_preview":
+            "[API Error: 400 request (11313 tokens) exceeds the available context size (8192 tokens)]"}
+    assert agent_outcome(qwen).startswith("api_error: [API Error: 400 request (11313 tokens)")
+    assert agent_outcome({**qwen, "result_preview": "The log says: API Error 400."}) == "completed"
 
 
 def test_the_compaction_sentence_reports_each_turns_end_in_the_agents_words(monkeypatch):

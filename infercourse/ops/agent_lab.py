@@ -266,7 +266,8 @@ def calls_table(out: str | Path) -> "pd.DataFrame":
 def agent_outcome(task: dict[str, Any]) -> str:
     """How a task ended in the agent's own words, from its own result (never from the server's
     side): "completed"; "api_error: ..." (the agent reports an API error: a refused call, or an
-    answer cut at its output cap, which Claude Code treats as an error); "prompt_too_long" (it
+    answer cut at its output cap, which Claude Code treats as an error; also where it exits 0 and
+    calls it a success with "[API Error: ...]" as its answer, as Qwen Code does); "prompt_too_long" (it
     refused to send, or compaction failed: `terminal_reason` blocking_limit); another reason the
     agent names with its words (e.g. "rapid_refill_breaker: Autocompact is thrashing..."); "refused"
     (it answered, declining); "timeout" (the lab's task bound, not the agent's); else "error (exit N)".
@@ -281,7 +282,9 @@ def agent_outcome(task: dict[str, Any]) -> str:
     if task.get("terminal_reason") == "blocking_limit" or "Prompt is too long" in said:
         return "prompt_too_long"
     codex = task.get("codex_last_event")
-    if codex in ("turn.failed", "error") or (task.get("is_error") and "API Error" in said):
+    # Qwen Code (a Gemini CLI fork) exits 0 with subtype success and its API error as the answer
+    api_error = "API Error" in said and (task.get("is_error") or said.lstrip().startswith("[API Error"))
+    if codex in ("turn.failed", "error") or api_error:
         why = task.get("codex_error") if codex else said
         return "api_error: " + " ".join(str(why or "").split())[:90]
     reason = task.get("terminal_reason")
