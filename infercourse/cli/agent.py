@@ -57,7 +57,7 @@ def _print_tables(out: Path) -> None:
     with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 60):
         calls = calls_table(out)
         cols = [c for c in ("task", "api", "path", "model", "status", "ttft_s", "e2e_s", "prompt_tokens",
-                            "cached_tokens", "evaluated_tokens", "prefill_ms", "stop_reason", "forced", "answer_stop",
+                            "cached_tokens", "evaluated_tokens", "prefill_ms", "stop_reason", "forced", "answer_stop", "greedy",
                             "system", "first_diff", "tokens_before_diff", "first_diff_same_system", "error") if c in calls]
         print(calls[cols].to_string(float_format=lambda v: f"{v:.3g}"))
         tasks = tasks_table(out)

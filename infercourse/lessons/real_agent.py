@@ -206,8 +206,9 @@ def clip_lab(root: str | Path, room: int, size: str, *, threads: int = 1, model:
     tokens after the agent's first request at `size`; its folder. llama.cpp rounds a window up to
     a multiple of 256 (`agent_budget.padded_window`), more room than a small model's own answer:
     so the task is sized first (`name`-size: one refused call), then a note of filler words is put
-    in front of it (`padded_prompt`) until its first request plus `room` fills a rounded window."""
-    task = lambda prompt: claude_task("long answer", prompt, size, timeout_s=timeout_s)   # noqa: E731
+    in front of it (`padded_prompt`) until its first request plus `room` fills a rounded window;
+    greedy (`Task.greedy`, stated on each call): sampled, a small model's answer may end first."""
+    task = lambda prompt: claude_task("long answer", prompt, size, timeout_s=timeout_s, greedy=True)   # noqa: E731
     first = int(first_request_size(lab(root, f"{name}-size", [task(LONG_ANSWER)], ctx=SIZING_CTX, threads=threads,
                                        model=model)))
     window = padded_window(first + room)
@@ -217,14 +218,13 @@ def clip_lab(root: str | Path, room: int, size: str, *, threads: int = 1, model:
 
 
 def clipped_output_tokens(root: str | Path, room: int, size: str, **kw: Any) -> float:
-    """`output_tokens` of the clipped call (the first) on a new `clip_lab` server: exercise 2's
-    measurement, with `room` the one setting changed."""
+    """`output_tokens` of the clipped (first) call on a new `clip_lab` server: exercise 2, `room` changed."""
     return float(clip_view(clip_lab(root, room, size, name="clip-room", **kw))["output_tokens"].iloc[0])
 
 
 def clip_view(out: str | Path) -> pd.DataFrame:
     """Each call of the clipped-answer task: what it asked for, what came back, and why it stopped."""
-    cols = ["task", "status", "max_tokens", "prompt_tokens", "output_tokens", "stop_reason", "first_diff", "error"]
+    cols = ["task", "status", "max_tokens", "prompt_tokens", "output_tokens", "stop_reason", "greedy", "first_diff", "error"]
     df = calls_table(out)
     return df[[c for c in cols if c in df.columns]]
 

@@ -124,6 +124,9 @@ class Task:
             (`answer_stop` in its tags): the recorder adds them to every call but a forced one
             (`ops.lab_options.answer_stopper`), so answers end on their own before the agent's
             answer cap, which the agent counts as an API error.
+        greedy: a lab option, stated on each call it changes (`greedy` in its tags): the
+            recorder sends every call at temperature 0 (`ops.lab_options.greedy_sampler`), so
+            an answer's length is the same each run.
     """
 
     label: str
@@ -140,6 +143,7 @@ class Task:
     spec: dict[str, Any] | None = None
     force_first_tool: str | None = None
     answer_stop: list[str] | None = None
+    greedy: bool = False
 
 
 @dataclass
@@ -249,7 +253,7 @@ def calls_table(out: str | Path) -> "pd.DataFrame":
     df = run.df.copy()
     keep = ["request_id", "task", "agent", "method", "path", "api", "model", "http_status", "status", "error",
             "ttft_s", "e2e_s", "prompt_tokens", "cached_tokens", "evaluated_tokens", "prefill_ms", "output_tokens",
-            "stop_reason", "max_tokens", "body_bytes", "overlapped", "forced", "answer_stop"]
+            "stop_reason", "max_tokens", "body_bytes", "overlapped", "forced", "answer_stop", "greedy"]
     df = df[[c for c in keep if c in df.columns]]
     anat = anatomy(out)
     if len(anat):

@@ -201,7 +201,7 @@ def child_main(spec_path: str) -> int:
         for i, task in enumerate(spec.tasks):
             argv, env, work = _launch(task, i, out, proxy.url, spec.served_name)
             proxy.tags = {"task": task.label, "agent": task.agent}
-            proxy.rewrite = lab_rewrite(task.force_first_tool, task.answer_stop)
+            proxy.rewrite = lab_rewrite(task.force_first_tool, task.answer_stop, task.greedy)
             n0, before, t0 = len(proxy.traces), evaluated_count(srv.url), time.perf_counter()
             (out / "agents").mkdir(exist_ok=True)
             rc, stdout, stderr = _run_agent(argv, env, work, task.timeout_s, out / "agents" / f"{i:02d}")

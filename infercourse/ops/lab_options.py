@@ -2,7 +2,7 @@
 
 A lab run records what the agent sends; an option changes it, and says so on the call it
 changed (a tag the calls table shows), so no table passes a changed call off as the agent's.
-Two options, each a task's field (`ops.agent_lab.Task`):
+Three options, each a task's field (`ops.agent_lab.Task`):
 
     force_first_tool   the task's first call that offers a tool asks for it alone: a tool-call
                        round trip with a model that calls no tool on its own   (tag `forced`)
@@ -11,18 +11,23 @@ Two options, each a task's field (`ops.agent_lab.Task`):
                        token before the agent's answer cap, which the agent treats as an
                        API error (Claude Code: "exceeded the N output token maximum")
                                                                                 (tag `answer_stop`)
+    greedy             temperature 0 on every call: the same prompt gets the same answer each
+                       run, where the agent sends no temperature and the server's default
+                       sampling makes an answer's length vary (measured 2026-12-05: 1 of 5
+                       sampled answers to 20's captured clip request ended before the room did;
+                       at temperature 0 it ran to the room)                      (tag `greedy`)
 
 Each option is a rewrite `(body, tags) -> body` the recorder (`ops.agent_capture`) applies to
 generating calls only (`tags` name the task, the agent and the API the call's path speaks);
 `lab_rewrite` composes a task's options. Hand-written: they edit the agent's JSON body field by
-field, which no proxy library does for these two APIs' fields.
+field, which no proxy library does for these APIs' fields.
 """
 from __future__ import annotations
 
 import json
 from typing import Any, Callable
 
-__all__ = ["first_tool_forcer", "answer_stopper", "lab_rewrite", "Rewrite"]
+__all__ = ["first_tool_forcer", "answer_stopper", "greedy_sampler", "lab_rewrite", "Rewrite"]
 
 Rewrite = Callable[[bytes, dict[str, Any]], bytes]
 STOP_FIELD = {"anthropic": "stop_sequences", "openai-chat": "stop"}   # per API (ops.agent_stream.api_of)
@@ -88,11 +93,28 @@ def answer_stopper(stops: list[str]) -> Rewrite:
     return rewrite
 
 
-def lab_rewrite(force_first_tool: str | None, answer_stop: list[str] | None) -> Rewrite | None:
+def greedy_sampler() -> Rewrite:
+    """The recorder's rewrite for `Task.greedy`: `temperature` 0 on every call (all three APIs
+    name it so), tagged `greedy` with the temperature the agent had sent ("default": none, so
+    the server's own sampling). Unchanged: a body that is not a JSON object, one already at 0."""
+    def rewrite(body: bytes, tags: dict[str, Any]) -> bytes:
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return body
+        if not isinstance(doc, dict) or doc.get("temperature") == 0:
+            return body
+        tags["greedy"] = f"temperature 0 (sent: {doc.get('temperature', 'default')})"
+        return json.dumps({**doc, "temperature": 0}).encode()
+    return rewrite
+
+
+def lab_rewrite(force_first_tool: str | None, answer_stop: list[str] | None, greedy: bool = False) -> Rewrite | None:
     """A task's options as one rewrite (None: the task has none): the forcer first, so the
-    stopper leaves the call it forced alone."""
+    stopper leaves the call it forced alone (the forced call is greedy already)."""
     steps = [*([first_tool_forcer(force_first_tool)] if force_first_tool else []),
-             *([answer_stopper(answer_stop)] if answer_stop else [])]
+             *([answer_stopper(answer_stop)] if answer_stop else []),
+             *([greedy_sampler()] if greedy else [])]
     if not steps:
         return None
 
