@@ -54,10 +54,11 @@ def _print_tables(out: Path) -> None:
 
     from infercourse.ops.agent_lab import calls_table, network_line, tasks_table
     from infercourse.ops.agent_session import session_totals, totals_sentence
+    from infercourse.ops.lab_options import OPTION_TAGS
     with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 60):
         calls = calls_table(out)
         cols = [c for c in ("task", "api", "path", "model", "status", "ttft_s", "e2e_s", "prompt_tokens",
-                            "cached_tokens", "evaluated_tokens", "prefill_ms", "stop_reason", "forced", "answer_stop", "greedy",
+                            "cached_tokens", "evaluated_tokens", "prefill_ms", "stop_reason", *OPTION_TAGS,
                             "system", "first_diff", "tokens_before_diff", "first_diff_same_system", "error") if c in calls]
         print(calls[cols].to_string(float_format=lambda v: f"{v:.3g}"))
         tasks = tasks_table(out)

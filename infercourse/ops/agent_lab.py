@@ -45,6 +45,7 @@ from typing import Any
 
 from infercourse.core.errors import AgentLayerError
 from infercourse.ops import netns
+from infercourse.ops.lab_options import OPTION_TAGS
 
 __all__ = ["Task", "LabSpec", "run_lab", "EXTEND_CONTEXT", "extend_flags", "trained_context", "served_trained_context",
            "calls_table", "tasks_table", "agent_outcome", "anatomy", "refused_size", "refused_window",
@@ -253,7 +254,7 @@ def calls_table(out: str | Path) -> "pd.DataFrame":
     df = run.df.copy()
     keep = ["request_id", "task", "agent", "method", "path", "api", "model", "http_status", "status", "error",
             "ttft_s", "e2e_s", "prompt_tokens", "cached_tokens", "evaluated_tokens", "prefill_ms", "output_tokens",
-            "stop_reason", "max_tokens", "body_bytes", "overlapped", "forced", "answer_stop", "greedy"]
+            "stop_reason", "max_tokens", "body_bytes", "overlapped", *OPTION_TAGS]
     df = df[[c for c in keep if c in df.columns]]
     anat = anatomy(out)
     if len(anat):

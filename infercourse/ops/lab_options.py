@@ -27,10 +27,21 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-__all__ = ["first_tool_forcer", "answer_stopper", "greedy_sampler", "lab_rewrite", "Rewrite"]
+__all__ = ["first_tool_forcer", "answer_stopper", "greedy_sampler", "lab_rewrite", "Rewrite", "OPTION_TAGS"]
 
 Rewrite = Callable[[bytes, dict[str, Any]], bytes]
 STOP_FIELD = {"anthropic": "stop_sequences", "openai-chat": "stop"}   # per API (ops.agent_stream.api_of)
+OPTION_TAGS = ("forced", "answer_stop", "greedy")   # the tags the options put on a call: the calls tables' columns
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """The call's body as a JSON object, or None (not JSON, or not an object): every option
+    passes such a body on unchanged."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def first_tool_forcer(name: str) -> Rewrite:
@@ -45,11 +56,8 @@ def first_tool_forcer(name: str) -> Rewrite:
     done: set[Any] = set()
 
     def rewrite(body: bytes, tags: dict[str, Any]) -> bytes:
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            return body
-        if not isinstance(doc, dict) or tags.get("task") in done:
+        doc = _json_object(body)
+        if doc is None or tags.get("task") in done:
             return body
         tools = [t for t in (doc.get("tools") or []) if isinstance(t, dict)
                  and (t.get("name") or (t.get("function") or {}).get("name")) == name]
@@ -77,11 +85,8 @@ def answer_stopper(stops: list[str]) -> Rewrite:
         key = STOP_FIELD.get(tags.get("api"))
         if key is None or tags.get("forced"):
             return body
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            return body
-        if not isinstance(doc, dict):
+        doc = _json_object(body)
+        if doc is None:
             return body
         own = doc.get(key) or []
         own = [own] if isinstance(own, str) else list(own)
@@ -98,11 +103,8 @@ def greedy_sampler() -> Rewrite:
     name it so), tagged `greedy` with the temperature the agent had sent ("default": none, so
     the server's own sampling). Unchanged: a body that is not a JSON object, one already at 0."""
     def rewrite(body: bytes, tags: dict[str, Any]) -> bytes:
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            return body
-        if not isinstance(doc, dict) or doc.get("temperature") == 0:
+        doc = _json_object(body)
+        if doc is None or doc.get("temperature") == 0:
             return body
         tags["greedy"] = f"temperature 0 (sent: {doc.get('temperature', 'default')})"
         return json.dumps({**doc, "temperature": 0}).encode()
