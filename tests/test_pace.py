@@ -45,3 +45,15 @@ def test_each_notebook_is_scaled_by_its_own_probe():
     assert bool(t.loc["00_setup", "within"]) and not bool(t.loc["20_real_coding_agent", "within"])
     one = pace.predict(1.2, ref)        # an old reference without the prefill probe: one ratio for all
     assert one["notebooks_full_s"]["20_real_coding_agent"] == 1200.0
+
+
+def test_a_set_wall_clock_duration_is_not_scaled():
+    """15's soak lasts SOAK_S seconds on any machine: a machine 1.4x slower by the probe ran 15
+    in 1.07x its reference time (2026-12-05, Intel Xeon VM). Only the rest of its time scales."""
+    soak = pace.fixed_s()["15_stability"]
+    ref = {"probe_s": 1.0, "notebooks_full_s": {"15_stability": soak + 10.0, "00_setup": 40.0}}
+    p = pace.predict(2.0, ref)
+    assert p["notebooks_full_s"] == {"15_stability": soak + 20.0, "00_setup": 80.0}
+    assert pace.fixed_s("ci")["15_stability"] < soak          # the CI size's own, shorter soak
+    short = pace.predict(2.0, {"probe_s": 1.0, "notebooks_full_s": {"15_stability": soak / 2}})
+    assert short["notebooks_full_s"]["15_stability"] == soak / 2   # never more fixed time than it took

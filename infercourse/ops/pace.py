@@ -14,8 +14,13 @@ in process:
   time scales with the machine's prefill speed on all its cores, not with one thread's.
 
 Each notebook's forecast is its reference time times the ratio of its probe (here ÷
-reference), and the course's is their sum. What no probe sees: a GPU, a faster disk, how a
-real agent behaves (how often it compacts or retries depends on the agent, not the machine),
+reference), and the course's is their sum. A notebook that runs for a set wall-clock time
+(15's soak: `SOAK_S` seconds on any machine) keeps that part as it is (`fixed_s`) and scales
+the rest: on a machine 1.4x slower by the probe, 15 took 1.07x its reference time.
+
+What no probe sees: a GPU, a faster disk, torch (the probes time llama.cpp: on a second 2-core
+machine, forecast ÷ measured ran from 0.68 for 07 to 1.27 for 17, 12 of 22 within 15 %), how
+a real agent behaves (how often it compacts or retries depends on the agent, not the machine),
 and load: the load average is printed beside the forecast, and the probes were timed on the
 machine as it is now.
 """
@@ -27,16 +32,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REFERENCE", "PREFILL_BOUND", "probe_s", "prefill_probe_s", "probes", "predict", "forecast_table",
+__all__ = ["REFERENCE", "PREFILL_BOUND", "fixed_s", "probe_s", "prefill_probe_s", "probes", "predict", "forecast_table",
            "save_reference", "pace_main"]
 
 REFERENCE = Path(__file__).resolve().parents[2] / "data" / "reference_machine.json"
+CI_PARAMS = Path(__file__).resolve().parents[2] / "notebooks" / "ci_params.json"
 PROMPT = "Explain, step by step, how a compiler turns source code into a program. " * 6
 PROBE_TOKENS = 32
 PREFILL_TOKENS = 512
 # notebooks whose time is mostly long cold prefills on every core (real agents' first requests,
 # the long-context prefill curve): scaled by the prefill probe; the rest by the one-thread probe
 PREFILL_BOUND = ("03_prefill_vs_decode", "19_coding_agent", "20_real_coding_agent")
+
+
+def fixed_s(size: str = "full") -> dict[str, float]:
+    """Per notebook, the seconds of its run at `size` that are a set wall-clock duration, as long
+    on every machine, so no probe scales them: 15's soak (the default profile's `soak_s` at full
+    size, notebooks/ci_params.json's `SOAK_S` at CI size)."""
+    from infercourse.ops.profiles import profile
+    ci = json.loads(CI_PARAMS.read_text()) if size == "ci" and CI_PARAMS.is_file() else {}
+    soak = ci.get("15_stability", {}).get("SOAK_S") if size == "ci" else profile("cpu").soak_s
+    return {"15_stability": float(soak)} if soak else {}
 
 
 def _timed(engine, request, repeats: int) -> float:
@@ -84,6 +100,11 @@ def _ratios(probe: dict[str, float], reference: dict[str, Any]) -> dict[str, flo
     return r
 
 
+def _scaled(reference_s: float, fixed: float, ratio: float) -> float:
+    fixed = min(fixed, reference_s)
+    return fixed + (reference_s - fixed) * ratio
+
+
 def predict(probe: float | dict[str, float], reference: dict[str, Any]) -> dict[str, Any]:
     """Course times on this machine from its probes and the reference's figures: per
     notebook (its reference time × its probe's ratio) and in all.
@@ -99,7 +120,8 @@ def predict(probe: float | dict[str, float], reference: dict[str, Any]) -> dict[
         per = reference.get(f"notebooks_{size}_s") or {}
         if per:
             basis = {nb: "prefill" if nb in PREFILL_BOUND and "prefill" in r else "probe" for nb in per}
-            out[f"notebooks_{size}_s"] = {nb: t * r[basis[nb]] for nb, t in per.items()}
+            fixed = fixed_s(size)
+            out[f"notebooks_{size}_s"] = {nb: _scaled(t, fixed.get(nb, 0.0), r[basis[nb]]) for nb, t in per.items()}
             out[f"basis_{size}"] = basis
             out[f"course_{size}_s"] = sum(out[f"notebooks_{size}_s"].values())
         elif reference.get(f"course_{size}_s"):
@@ -179,5 +201,6 @@ def pace_main(argv: list[str] | None = None) -> int:
         measured = json.loads(Path(a.check).read_text())["seconds"] if a.check else None
         print(forecast_table(p, measured).to_string())
         print(f"  least sure: {', '.join(PREFILL_BOUND[1:])} (real agents: their own behaviour, how often they "
-              "compact or retry, does not scale with any probe) and any notebook on a busy machine")
+              "compact or retry, does not scale with any probe), notebooks that spend their time outside llama.cpp "
+              "(torch, starting servers) or waiting out set timeouts, and any notebook on a busy machine")
     return 0
