@@ -107,7 +107,8 @@ def _scaled(reference_s: float, fixed: float, ratio: float) -> float:
 
 def predict(probe: float | dict[str, float], reference: dict[str, Any]) -> dict[str, Any]:
     """Course times on this machine from its probes and the reference's figures: per
-    notebook (its reference time × its probe's ratio) and in all.
+    notebook (its reference time × its probe's ratio, but for the set durations of `fixed_s`,
+    kept as they are) and in all.
 
     Args:
         probe: this machine's `probes()` (a bare number: the one-thread probe only).
