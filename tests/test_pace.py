@@ -57,3 +57,16 @@ def test_a_set_wall_clock_duration_is_not_scaled():
     assert pace.fixed_s("ci")["15_stability"] < soak          # the CI size's own, shorter soak
     short = pace.predict(2.0, {"probe_s": 1.0, "notebooks_full_s": {"15_stability": soak / 2}})
     assert short["notebooks_full_s"]["15_stability"] == soak / 2   # never more fixed time than it took
+
+
+def test_the_ci_size_is_read_in_one_place(tmp_path, monkeypatch):
+    """`make test`'s injected parameters and the forecast's CI-size soak come from one reader
+    (ops.ci_size): a changed ci_params.json reaches both, where each used to read it itself."""
+    from infercourse import course
+    from infercourse.ops import ci_size
+    table = {"_about": "x", "15_stability": {"SOAK_S": 7.5, "N": 2}}
+    (tmp_path / "ci_params.json").write_text(json.dumps(table))
+    monkeypatch.setattr(ci_size, "CI_PARAMS", tmp_path / "ci_params.json")
+    assert course.ci_params("notebooks/15_stability.ipynb") == {"SOAK_S": 7.5, "N": 2}
+    assert course.ci_params("notebooks/00_setup.ipynb") == {}
+    assert pace.fixed_s("ci") == {"15_stability": 7.5}

@@ -36,7 +36,6 @@ __all__ = ["REFERENCE", "PREFILL_BOUND", "fixed_s", "probe_s", "prefill_probe_s"
            "save_reference", "pace_main"]
 
 REFERENCE = Path(__file__).resolve().parents[2] / "data" / "reference_machine.json"
-CI_PARAMS = Path(__file__).resolve().parents[2] / "notebooks" / "ci_params.json"
 PROMPT = "Explain, step by step, how a compiler turns source code into a program. " * 6
 PROBE_TOKENS = 32
 PREFILL_TOKENS = 512
@@ -49,9 +48,9 @@ def fixed_s(size: str = "full") -> dict[str, float]:
     """Per notebook, the seconds of its run at `size` that are a set wall-clock duration, as long
     on every machine, so no probe scales them: 15's soak (the default profile's `soak_s` at full
     size, notebooks/ci_params.json's `SOAK_S` at CI size)."""
+    from infercourse.ops.ci_size import ci_params
     from infercourse.ops.profiles import profile
-    ci = json.loads(CI_PARAMS.read_text()) if size == "ci" and CI_PARAMS.is_file() else {}
-    soak = ci.get("15_stability", {}).get("SOAK_S") if size == "ci" else profile("cpu").soak_s
+    soak = ci_params("15_stability").get("SOAK_S") if size == "ci" else profile("cpu").soak_s
     return {"15_stability": float(soak)} if soak else {}
 
 
