@@ -483,7 +483,7 @@ def test_claude_window_limits_follow_the_pinned_arithmetic():
 def test_compaction_plan_sizes_the_window_and_its_sentence_flips(monkeypatch):
     monkeypatch.setattr(ra, "session_pastes", lambda turns, n: ["w " * n] * turns)
     up = lambda n: -(-n // 256) * 256   # noqa: E731 - the server's cache steps
-    big = ra.compaction_plan(800, 6, 4000, max_output=64, growth=4000, count=words)
+    big = ra.compaction_plan(800, 6, 4000, max_output=64, growth_pastes=1.0, count=words)
     # the window is sized from the line: first turn + growth, plus the agent's reserves
     assert big["window"] == up(800 + 4000 + 4000 + 13064)
     assert big["first_turn"] + 4000 <= big["compacts_above"] < big["first_turn"] + 4000 + 256
@@ -491,13 +491,21 @@ def test_compaction_plan_sizes_the_window_and_its_sentence_flips(monkeypatch):
     s = rc.plan_sentence(big)
     assert "outgrows the server in its last turn" in s and "compacts once the session has grown" in s
     # short pastes: as is, the session stays inside the window; told, it compacts after 100 tokens
-    small = ra.compaction_plan(800, 2, 200, max_output=64, growth=100, count=words)
+    small = ra.compaction_plan(800, 2, 200, max_output=64, growth_pastes=0.5, count=words)
     assert small["window"] == up(800 + 200 + 100 + 13064) and small["compacts_above"] >= 1100
     s = rc.plan_sentence(small)
     assert "does not outgrow this server" in s and "compacts once the session has grown" in s
     assert "compacts at every call" in rc.plan_sentence({**small, "compacts_above": 900})
     assert "refuses to send at all" in rc.plan_sentence({**small, "refuses_above": 900})
     assert ra.told_env(big) == {"CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(big["window"])}
+    # issue 33: a line under one paste above the first turn made the told agent compact at every turn;
+    # at 1.5 pastes the turn after a compaction stays under it, and the one after crosses it
+    assert "it compacts at every turn" in rc.plan_sentence(ra.compaction_plan(800, 8, 2000, max_output=64,
+                                                                               growth_pastes=0.9, count=words))
+    every_second = ra.compaction_plan(800, 8, 2000, max_output=64, growth_pastes=1.5, count=words)
+    assert every_second["growth"] == 3000 and every_second["window"] == up(800 + 2000 + 3000 + 13064)
+    assert "(about 1.5 pastes; a compaction keeps the turn that crossed it, so it compacts about every 2 turns)" \
+        in rc.plan_sentence(every_second)
 
 
 def _session_run(monkeypatch, message_tokens, prompts, errors, tasks, diffs=None):
@@ -554,8 +562,12 @@ def test_compaction_sentence_flips_with_what_each_session_did(monkeypatch):
     told = told.iloc[:-1]
     s = rc.compaction_sentence(as_is, told, 9000)
     assert "the server refused 1 of its 4 calls, the first in t3" in s and "its history was never rewritten" in s
-    assert "rewrote its history 1 time(s), first in t2, and the prompt dropped: 5,900 tokens on the call before, " \
-           "2,000 on the rewritten call" in s
+    assert "rewrote its history 1 time(s), in t2, and the prompt dropped: 5,900 tokens on the call before the " \
+           "first, 2,000 on the rewritten call" in s
+    twice = _session_run(monkeypatch, [2000, 4000, 1500, 3500, 1500], [2500, 4500, 2000, 4000, 2000], [None] * 5,
+                         [("t0", 1), ("t1", 1), ("t2", 1), ("t3", 1), ("t4", 1)])
+    assert "rewrote its history 2 time(s), in t2 and t4, and the prompt dropped" in rc.compaction_sentence(
+        as_is, twice, 9000)   # each compaction's turn named, not only the first (issue 33: every turn or every second)
     assert s.endswith("the server refused none of its calls; as is, the server refused the session.")
     never_full = as_is.iloc[:-1]
     assert "does not show a refusal that compaction prevented" in rc.compaction_sentence(never_full, told, 9000)

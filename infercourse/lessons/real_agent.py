@@ -26,6 +26,7 @@ folder into a table (a session's: `real_agent_session`; sentences: `real_agent_c
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,9 @@ SIZES = {"full": {"claude-code": {}, "codex": {}},
                 "codex": {"codex": {"instructions": SHORT_SYSTEM}}}}
 SHORT_ANSWER = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}   # where the answer's length is not the lesson
 SIZING_CTX = 512   # a window no first request fits: the server refuses it at once, naming its size (no prefill)
-ANSWER_STOP = ["\n", ". "]   # a lab option (Task.answer_stop, tagged on each call): the answer ends at its first line
-# or sentence, not at the cap, which the agent counts as an API error (a summary cut there: a failed compaction,
-# asked again); a pasted text echoed back has sentences but no line break
+ANSWER_STOP = ["\n", ". "]   # a lab option (Task.answer_stop, tagged on each call): the answer ends at its first line or
+# sentence, not at the cap, an API error to the agent (a summary cut there: a failed compaction, asked again);
+# ". " because a pasted text echoed back has sentences but no line break
 # the tool round trip: a task that asks for a file, its first call forced to Read (ops.agent_lab's
 # force_first_tool); room for a call whose path the model writes, and turns for the result
 TOOL_TASK, TOOL_ANSWER = "Read the file notes.txt and say what it holds.", {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
@@ -98,10 +99,7 @@ def lab(root: str | Path, name: str, tasks: list[Task], *, ctx: int, threads: in
 
 def _unused(root: str | Path, name: str) -> str:
     """`name-1`, `name-2`...: the first with no lab run yet (one is written once), so a cell can run again."""
-    k = 1
-    while (Path(root) / f"{name}-{k}").exists():
-        k += 1
-    return f"{name}-{k}"
+    return next(f"{name}-{k}" for k in range(1, 10**6) if not (Path(root) / f"{name}-{k}").exists())
 
 
 def _model_calls(out: str | Path) -> pd.DataFrame:
@@ -288,7 +286,7 @@ def growing_session(size: str, turns: int, paste_words: int, env: dict[str, str]
                         session="session", resume=k > 0, **kw) for k, paste in enumerate(session_pastes(turns, paste_words))]
 
 
-def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_output: int, growth: int,
+def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_output: int, growth_pastes: float,
                     count=None) -> dict[str, int]:
     """The server window for the growing session, and the pinned agent's limits told it.
 
@@ -296,19 +294,20 @@ def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_outp
         first_tokens: a one-line task's first request at the session's size (`first_tokens_at`; each
             turn adds its paste, counted by the embedded model's tokenizer, and an answer).
         max_output: the agents' answer cap (CLAUDE_CODE_MAX_OUTPUT_TOKENS).
-        growth: tokens the session grows past its first turn before the told agent compacts.
+        growth_pastes: pastes (the largest) the session grows past its first turn before the told
+            agent compacts. It compacts before sending the turn that crosses the line and sends that
+            turn after the summary, so at about 1.5 it compacts every second turn (under 1: every turn).
 
-    The told agent compacts a prompt past window - min(cap, 20,000) - 13,000
-    (`agents.claude_window_limits`), so the window is sized from the line: the first turn plus
-    `growth`, plus the agent's reserves (`agents.claude_budget`, the doctor's sizing). Whether the
-    session as is outgrows it is what the pastes make it (`last_turn` against `window`;
-    `real_agent_claims.plan_sentence` says which)."""
+    The told agent compacts a prompt past window - min(cap, 20,000) - 13,000 (`agents.claude_window_limits`),
+    so the window is sized from the line plus the agent's reserves (`agents.claude_budget`). Whether the
+    session as is outgrows it is what the pastes make it (`last_turn` against `window`; `plan_sentence`)."""
     count = count or embedded_counter()
     pastes = [count(p) for p in session_pastes(turns, paste_words)]
     first_turn = first_tokens + pastes[0]
+    growth = math.ceil(growth_pastes * max(pastes))
     window = agents.claude_budget(first_turn, growth=growth, answer_cap=max_output)["window"]
     return {**agents.claude_window_limits(window, max_output), "first_turn": first_turn,
-            "last_turn": first_tokens + sum(pastes), "paste_tokens": max(pastes)}
+            "last_turn": first_tokens + sum(pastes), "paste_tokens": max(pastes), "growth": growth}
 
 
 @functools.lru_cache(maxsize=None)

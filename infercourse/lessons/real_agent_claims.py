@@ -149,7 +149,8 @@ def plan_sentence(plan: dict[str, int]) -> str:
     w, t, b, f = plan["window"], plan["compacts_above"], plan["refuses_above"], plan["first_turn"]
     told = ("below the first turn: told, it refuses to send at all" if b < f else
             "below the first turn: told, it compacts at every call" if t < f else
-            f"{t - f:,} tokens above the first turn: told, it compacts once the session has grown that much")
+            f"{t - f:,} tokens above the first turn: told, it compacts once the session has grown that much"
+            + _every(t - f, plan["paste_tokens"]))
     as_is = ("beyond the window: as is, the session outgrows the server in its last turn"
              if plan["last_turn"] > w else "within the window: as is, the session does not outgrow this server")
     return (f"The session's first turn is about {f:,} tokens; each turn pastes up to {plan['paste_tokens']:,}, and "
@@ -157,6 +158,21 @@ def plan_sentence(plan: dict[str, int]) -> str:
             f"it, with answers capped at {plan['max_output']:,}, this agent version refuses to send a prompt it counts "
             f"over {b:,} tokens (its own count, which need not match the server's), and its compaction threshold is "
             f"{t:,}, {told}.")
+
+
+def _every(room: int, paste: int) -> str:
+    """How often the told agent should compact with `room` tokens above the first turn and turns
+    of `paste` tokens: it compacts before sending the turn that crosses the line and sends that turn
+    after its summary, so each compaction leaves about one paste of the room used."""
+    k = room / paste
+    return (f" (about {k:.1f} pastes; after a compaction the next turn crosses it again: it compacts at every turn)"
+            if k < 1 else f" (about {k:.1f} pastes; a compaction keeps the turn that crossed it, so it compacts "
+                          f"about every {int(k) + 1} turns)")
+
+
+def _listed(items: list[str]) -> str:
+    """"turn 2", "turn 2 and turn 4", "turn 2, turn 4 and turn 6"."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
 
 def _session_read(v: pd.DataFrame) -> dict[str, Any]:
@@ -170,7 +186,7 @@ def _session_read(v: pd.DataFrame) -> dict[str, Any]:
     return {"calls": len(sent), "largest": sent["prompt_tokens"].max(), "server_refused": len(by_server),
             "first_refused": by_server["turn"].iloc[0] if len(by_server) else None,
             "not_sent": int((v["refused_by"] == "agent").sum()), "timeouts": int((turns["ended"] == "timeout").sum()),
-            "rewrites": len(rewrites), "rewrite_turn": sent["turn"].iloc[first] if first is not None else None,
+            "rewrites": len(rewrites), "rewrite_turns": list(dict.fromkeys(sent["turn"].iloc[rewrites])),
             "rewrote_after_refusal": first is not None and len(by_server) > 0 and first > by_server.index[0],
             "before": before.iloc[-1] if len(before) else float("nan"),
             "after": sent["prompt_tokens"].iloc[first] if first is not None else float("nan"),
@@ -199,8 +215,8 @@ def _session_clause(name: str, r: dict[str, Any]) -> str:
         refused += f"; the agent refused to send {r['not_sent']} turn(s) itself"
     if r["rewrites"]:
         move = "dropped" if r["after"] < r["before"] else "did not drop"
-        hist = (f"it rewrote its history {r['rewrites']} time(s), first in {r['rewrite_turn']}, and the prompt {move}: "
-                f"{r['before']:,.0f} tokens on the call before, {r['after']:,.0f} on the rewritten call")
+        hist = (f"it rewrote its history {r['rewrites']} time(s), in {_listed(r['rewrite_turns'])}, and the prompt "
+                f"{move}: {r['before']:,.0f} tokens on the call before the first, {r['after']:,.0f} on the rewritten call")
     elif r["compact_logged"]:
         hist = (f"it logged a compaction query in {', '.join(r['compact_logged'])}, but no call started from a "
                 f"summary: its history was never rewritten")
