@@ -498,14 +498,12 @@ def test_compaction_plan_sizes_the_window_and_its_sentence_flips(monkeypatch):
     assert "compacts at every call" in rc.plan_sentence({**small, "compacts_above": 900})
     assert "refuses to send at all" in rc.plan_sentence({**small, "refuses_above": 900})
     assert ra.told_env(big) == {"CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(big["window"])}
-    # issue 33: a line under one paste above the first turn made the told agent compact at every turn;
-    # at 1.5 pastes the turn after a compaction stays under it, and the one after crosses it
-    assert "it compacts at every turn" in rc.plan_sentence(ra.compaction_plan(800, 8, 2000, max_output=64,
-                                                                               growth_pastes=0.9, count=words))
-    every_second = ra.compaction_plan(800, 8, 2000, max_output=64, growth_pastes=1.5, count=words)
-    assert every_second["growth"] == 3000 and every_second["window"] == up(800 + 2000 + 3000 + 13064)
-    assert "(about 1.5 pastes; a compaction keeps the turn that crossed it, so it compacts about every 2 turns)" \
-        in rc.plan_sentence(every_second)
+    # issue 33: the told agent compacted at every turn with its line under a paste above the first
+    # turn; the line is now set in pastes, and the plan says how many pastes up it sits
+    every_second = ra.compaction_plan(800, 8, 2000, max_output=64, growth_pastes=2.0, count=words)
+    assert every_second["growth"] == 4000 and every_second["window"] == up(800 + 2000 + 4000 + 13064)
+    assert f"{every_second['compacts_above'] - 2800:,} tokens above the first turn" in rc.plan_sentence(every_second)
+    assert f"(about {(every_second['compacts_above'] - 2800) / 2000:.1f} pastes)" in rc.plan_sentence(every_second)
 
 
 def _session_run(monkeypatch, message_tokens, prompts, errors, tasks, diffs=None):

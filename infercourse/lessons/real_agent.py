@@ -295,8 +295,8 @@ def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_outp
             turn adds its paste, counted by the embedded model's tokenizer, and an answer).
         max_output: the agents' answer cap (CLAUDE_CODE_MAX_OUTPUT_TOKENS).
         growth_pastes: pastes (the largest) the session grows past its first turn before the told
-            agent compacts. It compacts before sending the turn that crosses the line and sends that
-            turn after the summary, so at about 1.5 it compacts every second turn (under 1: every turn).
+            agent compacts. It compacts before sending a turn its own count puts past the line and sends
+            that turn after the summary: too close a line (about a paste) and it compacts at every turn.
 
     The told agent compacts a prompt past window - min(cap, 20,000) - 13,000 (`agents.claude_window_limits`),
     so the window is sized from the line plus the agent's reserves (`agents.claude_budget`). Whether the

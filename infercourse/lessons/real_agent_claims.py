@@ -161,13 +161,10 @@ def plan_sentence(plan: dict[str, int]) -> str:
 
 
 def _every(room: int, paste: int) -> str:
-    """How often the told agent should compact with `room` tokens above the first turn and turns
-    of `paste` tokens: it compacts before sending the turn that crosses the line and sends that turn
-    after its summary, so each compaction leaves about one paste of the room used."""
-    k = room / paste
-    return (f" (about {k:.1f} pastes; after a compaction the next turn crosses it again: it compacts at every turn)"
-            if k < 1 else f" (about {k:.1f} pastes; a compaction keeps the turn that crossed it, so it compacts "
-                          f"about every {int(k) + 1} turns)")
+    """The compaction line's height in this session's pastes: how many turns the told agent lets
+    the session grow before it compacts. Its own count of an unsent prompt runs above the server's,
+    so how often it compacts is measured (`compaction_sentence` names the turns), not derived here."""
+    return f" (about {room / paste:.1f} pastes)"
 
 
 def _listed(items: list[str]) -> str:
