@@ -545,10 +545,17 @@ def test_session_view_marks_the_rewrite_and_the_refusals(monkeypatch):
     assert list(told["rewrote_history"].fillna(False)) == [False, False, False, True, False, False]
     # messages that shrink while the first one stays (a summary request dropping the newest turn), or
     # a first message edited past its start (a summary request's instructions reworded): no rewrite
-    kept = _session_run(monkeypatch, [2000, 6000, 3000, 2900], [2500, 6500, 3500, 3400], [None] * 4,
+    kept = _session_run(monkeypatch, [2000, 6000, 5000, 4900], [2500, 6500, 5500, 5400], [None] * 4,
                         [("t0", 1), ("t1", 3)], diffs=[("first call", 0), ("message 2 (user)", 2500),
-                                                       ("message 2 (user)", 2500), ("message 0 (user)", 2200)])
+                                                       ("message 2 (user)", 5000), ("message 0 (user)", 4000)])
     assert not kept["rewrote_history"].any()
+    # a summary that came back word for word as the last one (greedy answers) keeps the first message:
+    # the history after it was replaced all the same (issue 33: 20's told session, turns 4 and 6, unmarked)
+    again = _session_run(monkeypatch, [2000, 6000, 2500, 6000, 2500], [2500, 6500, 3000, 6500, 3000], [None] * 5,
+                         [("t0", 1), ("t1", 1), ("t2", 1), ("t3", 1), ("t4", 1)],
+                         diffs=[("first call", 0), ("message 2 (user)", 2500), ("message 0 (user)", 500),
+                                ("message 2 (user)", 3000), ("message 3 (user)", 800)])
+    assert list(again["rewrote_history"]) == [False, False, True, False, True]
     header = _session_run(monkeypatch, [2000, 6000, 3000], [2500, 6500, 3500], [None] * 3, [("t0", 1), ("t1", 2)],
                           diffs=[("first call", 0), ("message 2 (user)", 2500), ("system 0", 20)])
     assert list(header["rewrote_history"]) == [False, False, True]   # the billing header follows the first message

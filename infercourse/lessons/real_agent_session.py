@@ -42,32 +42,31 @@ from infercourse.ops.anthropic_probe import post_messages
 
 __all__ = ["KEPT_SHARE", "session_view", "session_calls", "replay_session", "rewrite_table", "prefill_ledger"]
 
-KEPT_SHARE = 0.5   # a first message that keeps less of the one before than this was replaced, not grown
+KEPT_SHARE = 0.5   # messages that keep less of the call before's than this were replaced (a compaction), not grown
 
 
 
 def _rewrites(gen: pd.DataFrame, out: str | Path) -> pd.DataFrame:
-    """Mark the calls that rewrote the history. A session only appends, so its first message
-    stays; a compaction replaces it (with the summary) and the messages hold fewer tokens than
-    the call before's. So: the first difference is system 0 (the billing header's suffix
-    follows the first message) or in message 0, keeping less than `KEPT_SHARE` of the first
-    message before it, and the messages shrink. A summary request that edits or drops only
-    later messages keeps the first one, and is not a rewrite."""
+    """Mark the calls that rewrote the history. A session only appends; a compaction replaces the
+    history with a summary, so the messages hold fewer tokens than the call before's and little of
+    them comes before the first difference. So: the messages shrink, and the message tokens kept
+    before the first difference are under `KEPT_SHARE` of the call before's. The difference may sit
+    at system 0 (the billing header's suffix follows the first message), in message 0 (a new
+    summary), or further down: a summary that came back word for word as the last one (greedy
+    answers) keeps the first message, and only what follows it changes. A summary request that
+    drops the newest turn keeps most of the history, and is not a rewrite."""
     shape = {}
     for a in anatomy(out):
         kinds = [p["kind"] for p in a["parts"]]
         first = kinds.index("message") if "message" in kinds else len(kinds)
         shape[a["request_id"]] = (sum(p["tokens"] for p in a["parts"][:first]),
-                                  a["parts"][first]["tokens"] if first < len(kinds) else 0,
                                   sum(p["tokens"] for p in a["parts"][first:]))
     s = gen["request_id"].map(shape)
-    before_msgs, first_msg = s.map(lambda x: x[0] if isinstance(x, tuple) else float("nan")), \
-        s.map(lambda x: x[1] if isinstance(x, tuple) else float("nan"))
-    gen["message_tokens"] = s.map(lambda x: x[2] if isinstance(x, tuple) else float("nan"))
-    diff = gen["first_diff"].fillna("")
-    kept = gen.get("tokens_before_diff", pd.Series(float("nan"), index=gen.index)) - before_msgs
-    replaced = (diff == "system 0") | (diff.str.startswith("message 0 ") & (kept < KEPT_SHARE * first_msg.shift()))
-    gen["rewrote_history"] = replaced & (gen["message_tokens"] < gen["message_tokens"].shift())
+    before_msgs = s.map(lambda x: x[0] if isinstance(x, tuple) else float("nan"))
+    gen["message_tokens"] = s.map(lambda x: x[1] if isinstance(x, tuple) else float("nan"))
+    kept = (gen.get("tokens_before_diff", pd.Series(float("nan"), index=gen.index)) - before_msgs).clip(lower=0)
+    previous = gen["message_tokens"].shift()
+    gen["rewrote_history"] = (gen["message_tokens"] < previous) & (kept < KEPT_SHARE * previous)
     return gen
 
 
