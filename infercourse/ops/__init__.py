@@ -5,6 +5,7 @@ soaking, and finding the layer at fault.
 |---------------|--------------------------------------------------------------------------|
 | `doctor`      | `doctor env`: hardware, versions, which engines run here and why not     |
 | `pace`        | `doctor course`: a short probe predicts the course's run time here       |
+| `ci_size`     | the CI size `make test` runs each notebook at (notebooks/ci_params.json), read once |
 | `profiles`    | cpu / mac / gpu sizes for every phase-3/4 lesson                         |
 | `logs`        | native (C/C++) logs to a file, never into the notebook                   |
 | `serve`       | `infercourse serve`: one server in the foreground                        |
