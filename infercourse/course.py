@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from infercourse.ops import ci_size
+
 __all__ = ["NOTEBOOK_DIR", "notebooks", "notebook_parameters", "ci_params", "parse_params",
            "inject", "results_dir", "run_notebook", "course_main"]
 
@@ -69,8 +71,7 @@ def inject(nb, params: dict) -> None:
 
 def ci_params(path: str | Path) -> dict:
     """The small size `make test` runs a notebook at (notebooks/ci_params.json)."""
-    from infercourse.ops.ci_size import ci_params as by_stem
-    return by_stem(Path(path).stem)
+    return ci_size.ci_params(Path(path).stem)
 
 
 def parse_params(items: list[str] | None) -> dict:

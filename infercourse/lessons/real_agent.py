@@ -26,6 +26,7 @@ folder into a table (a session's: `real_agent_session`; sentences: `real_agent_c
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,7 @@ def lab(root: str | Path, name: str, tasks: list[Task], *, ctx: int, threads: in
 
 def _unused(root: str | Path, name: str) -> str:
     """`name-1`, `name-2`...: the first with no lab run yet (one is written once), so a cell can run again."""
-    return next(f"{name}-{k}" for k in range(1, 10**6) if not (Path(root) / f"{name}-{k}").exists())
+    return next(f"{name}-{k}" for k in itertools.count(1) if not (Path(root) / f"{name}-{k}").exists())
 
 
 def _model_calls(out: str | Path) -> pd.DataFrame:

@@ -150,7 +150,7 @@ def plan_sentence(plan: dict[str, int]) -> str:
     told = ("below the first turn: told, it refuses to send at all" if b < f else
             "below the first turn: told, it compacts at every call" if t < f else
             f"{t - f:,} tokens above the first turn: told, it compacts once the session has grown that much"
-            + _every(t - f, plan["paste_tokens"]))
+            + _in_pastes(t - f, plan["paste_tokens"]))
     as_is = ("beyond the window: as is, the session outgrows the server in its last turn"
              if plan["last_turn"] > w else "within the window: as is, the session does not outgrow this server")
     return (f"The session's first turn is about {f:,} tokens; each turn pastes up to {plan['paste_tokens']:,}, and "
@@ -160,10 +160,10 @@ def plan_sentence(plan: dict[str, int]) -> str:
             f"{t:,}, {told}.")
 
 
-def _every(room: int, paste: int) -> str:
-    """The compaction line's height in this session's pastes: how many turns the told agent lets
-    the session grow before it compacts. Its own count of an unsent prompt runs above the server's,
-    so how often it compacts is measured (`compaction_sentence` names the turns), not derived here."""
+def _in_pastes(room: int, paste: int) -> str:
+    """The compaction line's height above the first turn, in this session's pastes. How often the
+    told agent compacts is not derived from it: its own count of an unsent prompt runs above the
+    server's, so that is measured (`compaction_sentence` names the turns)."""
     return f" (about {room / paste:.1f} pastes)"
 
 
