@@ -1137,35 +1137,41 @@ def test_a_replay_stops_after_the_rewrite_it_was_asked_for(tmp_path, monkeypatch
 
 def test_the_first_request_at_another_size_is_measured_once(tmp_path, monkeypatch):
     """Issue 33 §5: the clip and the sessions run at the agent's small configuration; their first
-    request is measured at that size (one fresh lab run, shared), and read from A cold where the
-    main run had that size."""
+    request is measured at that size (one fresh lab run, shared), and read from B header off where the
+    main run had that size: with the billing header off, as the sessions run."""
     ra.first_tokens_at.cache_clear()
     runs = []
-    monkeypatch.setattr(ra, "first_request_tokens", lambda root, tools, size, **kw: runs.append((tools, size)) or 1033.0)
-    calls = pd.DataFrame({"task": ["A cold", "C header on", "C header on"], "status": ["ok", "error", "ok"],
-                          "prompt_tokens": [13306, None, 13341]})   # C's first copy cut by the client: no usage
+    monkeypatch.setattr(ra, "first_request_tokens", lambda root, tools, size, **kw: runs.append(
+        (tools, size, kw.get("env"))) or 1033.0)
+    calls = pd.DataFrame({"task": ["A cold", "B header off", "B header off", "C header on"],
+                          "status": ["ok", "error", "ok", "ok"],
+                          "prompt_tokens": [13306, None, 13306, 13341]})   # a copy the client cut: no usage
     monkeypatch.setattr(ra, "_model_calls", lambda main: calls)
     assert ra.first_tokens_at(tmp_path, "ci", "main", "full") == 1033
-    assert ra.first_tokens_at(tmp_path, "ci", "main", "full") == 1033 and runs == [("Read", "ci")]
-    # at the main run's size: its task with the billing header on, as the sessions run (A's is off)
-    assert ra.first_tokens_at(tmp_path, "full", "main", "full") == 13341 and len(runs) == 1
-    calls.loc[2, "status"] = "error"     # no answered call of C at all: sized by a refusal instead
-    assert ra.first_tokens_at(tmp_path / "other", "full", "main", "full") == 1033 and runs[-1] == (None, "full")
+    # sized as the sessions run: with the billing header off (on, it adds a system block)
+    assert ra.first_tokens_at(tmp_path, "ci", "main", "full") == 1033 and runs == [("Read", "ci", ra.HEADER_OFF)]
+    # at the main run's size: its new task with the billing header off, as the sessions run (C's is on)
+    assert ra.first_tokens_at(tmp_path, "full", "main", "full") == 13306 and len(runs) == 1
+    calls.loc[2, "status"] = "error"     # no answered call of B at all: sized by a refusal instead
+    assert ra.first_tokens_at(tmp_path / "other", "full", "main", "full") == 1033 and runs[-1] == (None, "full", ra.HEADER_OFF)
     ra.first_tokens_at.cache_clear()
 
 
 def test_a_first_request_is_sized_by_a_refusal_not_a_prefill(tmp_path, monkeypatch):
     """Issue 33 §5: sizing a first request costs no cold prefill: by default the lab's server is
     too small for it (`SIZING_CTX`), and the size is the one the server's refusal names."""
-    specs = []
+    specs, tasks = [], []
 
-    def fake_lab(root, name, tasks, *, ctx, **kw):
+    def fake_lab(root, name, run, *, ctx, **kw):
         specs.append(ctx)
+        tasks.extend(run)
         return tmp_path
     monkeypatch.setattr(ra, "lab", fake_lab)
     monkeypatch.setattr(ra, "_first_call", lambda out: pd.Series(
         {"prompt_tokens": float("nan"), "error": "request (5519 tokens) exceeds the available context size (512 tokens)"}))
     assert ra.first_request_tokens(tmp_path, "Read", "ci") == 5519 and specs == [ra.SIZING_CTX]
+    assert ra.first_request_tokens(tmp_path, "Read", "ci", env=ra.HEADER_OFF) == 5519
+    assert tasks[0].env == ra.SHORT_ANSWER and tasks[1].env == {**ra.SHORT_ANSWER, **ra.HEADER_OFF}
     assert ra.SIZING_CTX < 1000   # under every first request the lab sizes (the ci size's: ~1,000 tokens)
 
 

@@ -41,7 +41,7 @@ from infercourse.ops.agents import readiness, skip_reason
 from infercourse.ops.agent_lab import (EXTEND_CONTEXT, LabSpec, Task, anatomy, calls_table, extend_flags, refused_size,
                                        run_lab, tasks_table)
 
-__all__ = ["SIZES", "SHORT_ANSWER", "ANSWER_STOP", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
+__all__ = ["SIZES", "SHORT_ANSWER", "HEADER_OFF", "ANSWER_STOP", "readiness", "skip_reason", "claude_task", "codex_task", "lab", "first_call_parts",
            "versus_stand_in", "evaluated_by_task", "clip_view", "amplification", "session_pastes", "growing_session",
            "compaction_plan", "first_tokens_at", "told_env", "doctor_on_fresh_server", "calls_table", "tasks_table", "anatomy",
            "EXTEND_CONTEXT", "extend_flags", "first_request_tokens", "first_request_size", "TOOL_TASK", "TOOL_ANSWER",
@@ -55,6 +55,7 @@ SIZES = {"full": {"claude-code": {}, "codex": {}},
          "ci": {"claude-code": {"system_prompt": SHORT_SYSTEM, "tools": "Read"},
                 "codex": {"codex": {"instructions": SHORT_SYSTEM}}}}
 SHORT_ANSWER = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}   # where the answer's length is not the lesson
+HEADER_OFF = {"CLAUDE_CODE_ATTRIBUTION_HEADER": "0"}    # the billing header off (a new task keeps its prefix)
 SIZING_CTX = 512   # a window no first request fits: the server refuses it at once, naming its size (no prefill)
 ANSWER_STOP = ["\n", ". "]   # a lab option (Task.answer_stop, tagged on each call): the answer ends at its first line or
 # sentence, not at the cap, an API error to the agent (a summary cut there: a failed compaction, asked again);
@@ -64,8 +65,7 @@ ANSWER_STOP = ["\n", ". "]   # a lab option (Task.answer_stop, tagged on each ca
 TOOL_TASK, TOOL_ANSWER = "Read the file notes.txt and say what it holds.", {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
 
 
-def claude_task(label: str, prompt: str, size: str, *, env: dict[str, str] | None = None,
-                timeout_s: float = 900, **kw: Any) -> Task:
+def claude_task(label: str, prompt: str, size: str, *, env: dict[str, str] | None = None, timeout_s: float = 900, **kw: Any) -> Task:
     """A Claude Code task at `size` ("ci": its own flags shrink the request; "full": defaults)."""
     return Task(label, "claude-code", prompt, env=dict(env or {}), timeout_s=timeout_s,
                 **{**SIZES[size]["claude-code"], **kw})
@@ -119,7 +119,7 @@ def _first_call(out: str | Path) -> pd.Series:
 
 
 def first_request_tokens(root: str | Path, tools: str | None, size: str, *, ctx: int = SIZING_CTX, threads: int = 1,
-                         model: str | None = None, timeout_s: float = 900, name: str = "tools") -> float:
+                         model: str | None = None, timeout_s: float = 900, name: str = "tools", env: dict[str, str] | None = None) -> float:
     """Prompt tokens of Claude Code's first request for a one-line task when it is given only
     `tools`, run in the sealed lab on a fresh server (`lab`): the server's usage, or, where
     the server refused the call as longer than its window, the size its refusal names.
@@ -129,10 +129,10 @@ def first_request_tokens(root: str | Path, tools: str | None, size: str, *, ctx:
         tools: Claude Code's `--tools` value, e.g. "Read,Bash" ("": no tools; None: its own list).
         size: "full" or "ci" (`SIZES`; `tools` replaces the size's own list).
         ctx: the server's window; the default, `SIZING_CTX`, has the request refused unprefilled.
-        threads, model, timeout_s: as `lab` and `claude_task` take them.
+        threads, model, timeout_s: as `lab` and `claude_task` take them; env: settings over `SHORT_ANSWER`.
     """
     label = f"tools {'all' if tools is None else tools or 'none'}"
-    task = claude_task(label, "Say hello.", size, env=SHORT_ANSWER, timeout_s=timeout_s, tools=tools)
+    task = claude_task(label, "Say hello.", size, env={**SHORT_ANSWER, **(env or {})}, timeout_s=timeout_s, tools=tools)
     return first_request_size(lab(root, _unused(root, name), [task], ctx=ctx, threads=threads, model=model))
 
 
@@ -314,16 +314,16 @@ def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_outp
 @functools.lru_cache(maxsize=None)
 def first_tokens_at(root: str | Path, size: str, main: str | Path, main_size: str, *, threads: int = 1,
                     model: str | None = None, timeout_s: float = 900) -> int:
-    """Claude Code's first request (prompt tokens, billing header on) at `size`: C header on's first
-    answered call in the `main` run if it ran at `size` (a copy the client cut has no usage), else one
-    task at `size` sized by a fresh server's refusal (`first_request_tokens` at `SIZING_CTX`), once."""
+    """Claude Code's first request (prompt tokens) at `size` with the billing header off, as the sessions
+    run: B header off's first answered call in the `main` run if it ran at `size`, else one task at `size`
+    sized by a fresh server's refusal (`first_request_tokens` at `SIZING_CTX`), once."""
     if size == main_size:
         calls = _model_calls(main)
-        sized = calls.loc[(calls["task"] == "C header on") & (calls["status"] == "ok"), "prompt_tokens"].dropna()
+        sized = calls.loc[(calls["task"] == "B header off") & (calls["status"] == "ok"), "prompt_tokens"].dropna()
         if len(sized):
             return int(sized.iloc[0])
-    return int(first_request_tokens(root, SIZES[size]["claude-code"].get("tools"), size, threads=threads,
-                                    model=model, timeout_s=timeout_s, name=f"first-{size}"))
+    return int(first_request_tokens(root, SIZES[size]["claude-code"].get("tools"), size, threads=threads, model=model,
+                                    timeout_s=timeout_s, name=f"first-{size}", env=HEADER_OFF))
 
 
 def told_env(plan: dict[str, int]) -> dict[str, str]:
