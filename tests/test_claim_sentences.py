@@ -58,6 +58,19 @@ def test_verdict_sentence_flips_and_says_within_noise():
     assert "too few pairs" in few and "within noise" not in few and "faster" not in few
 
 
+def test_a_verdict_whose_interval_holds_1_says_so():
+    """A test can rank two arms while the median ratio's interval (at 8 pairs, the smallest and
+    largest ratio) still holds 1: notebook 20 printed "95% interval [0.88, 1.38]: direct faster,
+    beyond the A/A rerun's noise" with nothing between the two; the sentence now says why."""
+    a = np.array([1.0, 1.01, 0.99, 1.02, 1.0, 0.98, 1.01, 1.0])
+    a2 = a * np.array([1.01, 0.99, 1.0, 1.01, 0.99, 1.0, 1.01, 0.99])
+    out = a * np.array([1.1, 1.12, 1.09, 1.11, 1.1, 1.08, 1.1, 0.97])    # one pair the other way
+    s = claims.verdict_sentence(noise.compare(a, out, noise.noise_floor(a, a2), labels=("x", "y")))
+    assert says(s, "x faster") and "Not every pair agreed: the ratio's 95% interval above still holds 1." in s
+    clear = claims.verdict_sentence(noise.compare(a, a * 1.1, noise.noise_floor(a, a2), labels=("x", "y")))
+    assert says(clear, "x faster") and "Not every pair agreed" not in clear
+
+
 def test_verdict_sentence_names_the_test_that_ran():
     """Against a number, not the A/A rerun: the sentence must not claim the rerun's noise, and
     quotes the test's own level (per side for the band test), whatever ci was."""

@@ -573,7 +573,7 @@ def test_compaction_sentence_flips_with_what_each_session_did(monkeypatch):
                          [("t0", 1), ("t1", 1), ("t2", 1), ("t3", 1), ("t4", 1)])
     assert "rewrote its history 2 time(s), in t2 and t4, and the prompt dropped" in rc.compaction_sentence(
         as_is, twice, 9000)   # each compaction's turn named, not only the first (issue 33: every turn or every second)
-    assert s.endswith("the server refused none of its calls; as is, the server refused the session.")
+    assert s.endswith("the server refused none of its calls; as is, the session outgrew the server (refused for size in t3).")
     never_full = as_is.iloc[:-1]
     assert "does not show a refusal that compaction prevented" in rc.compaction_sentence(never_full, told, 9000)
     no_compaction = told.assign(rewrote_history=False)
@@ -581,9 +581,9 @@ def test_compaction_sentence_flips_with_what_each_session_did(monkeypatch):
     late = _session_run(monkeypatch, [2000, 4000, 8600, 3000], [2500, 4500, None, 3500],
                         [None, None, "request (9100 tokens) exceeds the available context size (9000 tokens)", None],
                         [("t0", 1), ("t1", 1), ("t2", 2)])
-    assert s.endswith("as is, the server refused the session.")
-    assert rc.compaction_sentence(late, told, 9000).endswith(
-        "as is, the server refused the session, and the agent compacted only after that refusal.")
+    assert s.endswith("as is, the session outgrew the server (refused for size in t3).")
+    assert rc.compaction_sentence(late, told, 9000).endswith(   # it compacted after the refusal, and went on
+        "as is, the session outgrew the server (refused for size in t2), and the agent compacted only after that refusal.")
     grew_back = told.assign(prompt_tokens=[2500, 4500, 5900, 6000, 7000])
     assert "the prompt did not drop" in rc.compaction_sentence(as_is, grew_back, 9000)
     started = no_compaction.assign(compact_logged=no_compaction["turn"] == "t2", ended=["ok"] * 4 + ["timeout"])

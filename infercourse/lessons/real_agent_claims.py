@@ -236,8 +236,9 @@ def compaction_sentence(as_is: pd.DataFrame, told: pd.DataFrame, window: int) ->
                                                             if failed else "") + (
             f", and still the server refused {t['server_refused']} of its calls" if t["server_refused"]
             else " and the server refused none of its calls") + (
-            "; as is, the server refused the session" + (", and the agent compacted only after that refusal."
-                                                          if a["rewrote_after_refusal"] else ".") if a["server_refused"] else
+            f"; as is, the session outgrew the server (refused for size in {a['first_refused']})" + (
+                ", and the agent compacted only after that refusal." if a["rewrote_after_refusal"] else ".")
+            if a["server_refused"] else
             "; as is, the session never outgrew this server, so this run does not show a refusal that compaction prevented.")
     elif t["compact_logged"]:
         verdict = ("Told the window, the agent started compacting but did not finish a compaction in this run: "

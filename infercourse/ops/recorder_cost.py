@@ -138,7 +138,8 @@ def compare(cost: RecorderCost) -> dict[str, Any]:
         floor = noise.noise_floor(v["direct"], v["direct again"])
         out[metric] = noise.compare(v["direct"], v["recorder"], floor, labels=("direct", "recorder"))
     d, r, d2 = (np.asarray(cost.ttft_s[a], float) for a in ARMS)
-    out["added_ms"] = float(np.median(r - (d + d2) / 2) * 1e3)
+    out["added_per_block_ms"] = [float(x) * 1e3 for x in r - (d + d2) / 2]
+    out["added_ms"] = float(np.median(out["added_per_block_ms"]))
     out["aa_ms"] = float(np.median(np.abs(d2 - d)) * 1e3)
     same = [cost.chunks["recorder"][i] == cost.chunks["direct"][i] and cost.texts["recorder"][i] == cost.texts["direct"][i]
             for i in range(min(len(cost.chunks["recorder"]), len(cost.chunks["direct"])))]
@@ -155,15 +156,26 @@ def cost_table(cost: RecorderCost) -> "Any":
                          "trials": {a: len(cost.ttft_s[a]) for a in ARMS}})
 
 
-def _goal(c: Any, added: float, aa: float) -> str:
-    if c.too_few:
-        return "cannot be judged: too few pairs"
-    if c.decided and c.verdict.startswith("direct"):    # the recorder is slower, beyond the A/A noise
-        return (f"met: the recorder adds {added:.2f} ms, measurable but under {GOAL_MS:g} ms" if added < GOAL_MS
-                else f"missed: the recorder adds {added:.2f} ms, beyond the noise")
-    if aa < GOAL_MS:
-        return f"met: no difference beyond the noise, and the noise itself (A/A {aa:.2f} ms) is under {GOAL_MS:g} ms"
-    return f"cannot be judged here: the A/A noise ({aa:.2f} ms per call) is wider than the {GOAL_MS:g} ms goal"
+def _goal(c: Any, added: list[float], aa: float) -> str:
+    """The goal judged on the added ms per call (`added`: one per block, recorder less the mean of
+    the block's two direct runs): its median's 95% order-statistic interval, and the A/A noise.
+    Missed only when the whole interval lies above the goal; met only when it and the noise lie under
+    it; a median just past the goal inside a wider noise is neither (the test above may still find the
+    recorder slower: that it adds something says nothing of how much)."""
+    from infercourse.core.summary import order_stat_ci
+    ranks, x = order_stat_ci(len(added), 0.5), sorted(added)
+    if c.too_few or ranks is None:
+        return "cannot be judged: too few pairs" + ("" if c.too_few else f" ({len(added)}) for an interval of the added ms")
+    lo, hi, med = x[ranks[0] - 1], x[ranks[1] - 1], float(np.median(added))
+    iv = f"{med:.2f} ms per call (95% interval [{lo:.2f}, {hi:.2f}] ms)"
+    if lo > GOAL_MS:
+        return f"missed: the recorder adds {iv}, all of it above {GOAL_MS:g} ms"
+    if hi < GOAL_MS and aa < GOAL_MS:
+        return (f"met: the recorder adds {iv}, under {GOAL_MS:g} ms" if c.decided else
+                f"met: no difference beyond the noise; the recorder adds {iv}, under {GOAL_MS:g} ms") + \
+            f", as is the A/A noise ({aa:.2f} ms)"
+    return (f"cannot be judged here: the recorder adds {iv}, and the A/A noise is {aa:.2f} ms: "
+            f"this run shows it neither under nor over {GOAL_MS:g} ms")
 
 
 def recorder_sentence(c: dict[str, Any]) -> str:
@@ -176,7 +188,7 @@ def recorder_sentence(c: dict[str, Any]) -> str:
               "recorder than direct: it changed what the client received.")
     return (f"Through the recorder the first token came {c['added_ms']:+.2f} ms later per call at p50 (direct against "
             f"its A/A rerun: {c['aa_ms']:.2f} ms apart). {verdict_sentence(t, 'TTFT')} The goal, under "
-            f"{GOAL_MS:g} ms added per call: {_goal(t, c['added_ms'], c['aa_ms'])}. "
+            f"{GOAL_MS:g} ms added per call: {_goal(t, c['added_per_block_ms'], c['aa_ms'])}. "
             f"{verdict_sentence(c['itl_s'], 'inter-chunk gap')} {chunks}")
 
 
