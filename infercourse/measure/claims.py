@@ -66,8 +66,8 @@ def verdict_sentence(c: Any, what: str = "") -> str:
                 f"can produce (p = {c.p:.2g}, above {c.level:.3g}{side}); this run cannot rank them.")
     beyond = "beyond the A/A rerun's noise" if c.against == "the A/A rerun" else \
         "a change beyond chance" if c.against == "no change" else f"beyond {c.against}"
-    narrow = f" Not every pair agreed: the ratio's {interval_word(iv.exact)} above still holds 1." if iv.lo <= 1 <= iv.hi else ""
-    return f"{head}: {c.verdict}, {beyond} ({p_text(c)}; at most {c.level:.3g} false positives{side}).{narrow}"
+    split = f" Not every pair agreed: the ratio's {interval_word(iv.exact)} above still holds 1." if iv.lo <= 1 <= iv.hi else ""
+    return f"{head}: {c.verdict}, {beyond} ({p_text(c)}; at most {c.level:.3g} false positives{side}).{split}"
 
 
 def mean_vs_median(x: Sequence[float], name: str, *, scale: float = 1e3, unit: str = "ms",

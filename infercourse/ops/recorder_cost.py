@@ -16,7 +16,9 @@ median TTFT of its requests (`core.metrics.ttft_s`, from the client's send), and
 inter-chunk gap (`itl_s`, per chunk) is kept beside it, with each request's chunk count and
 text. `compare` judges recorder against direct with the A/A rerun in every block
 (`noise.compare`); `recorder_sentence` words it, against the goal of under 1 ms added per
-call at p50, and says whether every trial got the same chunks and text through both.
+call at p50 (judged on the interval of the ms added in each block, not on the test: that the
+recorder adds something says nothing of how much), and says whether every trial got the same
+chunks and text through both.
 """
 from __future__ import annotations
 
