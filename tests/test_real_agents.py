@@ -1246,6 +1246,10 @@ def test_a_changed_tool_schema_is_named_with_its_sizes_and_the_sentence_flips_wh
     recs[1]["parts"][1] = part("tool 0: task", 1090)
     recs[1]["first_difference_same_system"] = diff("message 0", "message")
     s = rc.changed_part_sentence(recs, calls)
-    assert "None of the 1 call(s)" in s and "stayed the same" in s and "tool 0" not in s
+    assert "The one call compared with an earlier one of the same system prompt did not first differ" in s
+    assert "stayed the same" in s and "its first difference lay in the messages" in s and "tool 0" not in s
     side = {**recs[1], "request_id": 2, "system_key": "other", "first_difference_same_system": diff(None, "first call")}
-    assert "None of the 1 call(s)" in rc.changed_part_sentence([recs[0], side, recs[1]], calls)   # a side call: not compared
+    assert "The one call compared" in rc.changed_part_sentence([recs[0], side, recs[1]], calls)   # a side call: not compared
+    two = rc.changed_part_sentence([*recs, {**recs[1], "request_id": 3}], calls)
+    assert "None of the 2 calls compared with an earlier one of the same system prompt first differed" in two
+    assert "each first difference lay in the messages" in two

@@ -315,9 +315,12 @@ def changed_part_sentence(records: list[dict[str, Any]], calls: pd.DataFrame, mo
                 found.append((r, prev, d["part"], before[d["part"]], now[d["part"]]))
         last[r.get("system_key")] = r
     if not found:
-        return (f"None of the {compared} call(s) compared with an earlier one of the same system prompt first "
-                "differed inside a system block or a tool schema: the system text and the tools stayed the same, "
-                "and each first difference lay in the messages." if compared else "No two calls shared a system prompt.")
+        if not compared:
+            return "No two calls shared a system prompt."
+        who, did, each = (("The one call", "did not first differ", "its") if compared == 1 else
+                          (f"None of the {compared} calls", "first differed", "each"))
+        return (f"{who} compared with an earlier one of the same system prompt {did} inside a system block or a "
+                f"tool schema: the system text and the tools stayed the same, and {each} first difference lay in the messages.")
     by_id = calls.set_index("request_id") if "request_id" in calls else pd.DataFrame()
     out = []
     for r, prev, part, a, b in found[:most]:
