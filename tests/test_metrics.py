@@ -133,6 +133,15 @@ def test_order_statistic_interval_covers_at_the_nominal_rate():
     assert row["n_too_small"] == "" and row["count"] == 4000 and row["max"] == x.max()
 
 
+def test_the_median_interval_is_the_sorted_values_at_the_order_statistic_ranks():
+    x = [5.0, -1.0, 3.0, 9.0, 0.5, 2.0, 7.0, 4.0]        # unsorted; n = 8: ranks (1, 8)
+    assert S.order_stat_ci(8, 0.5) == (1, 8) and S.median_interval(x) == (-1.0, 9.0)
+    l, u = S.order_stat_ci(40, 0.5)
+    y = np.random.default_rng(2).normal(size=40)
+    assert S.median_interval(y) == (np.sort(y)[l - 1], np.sort(y)[u - 1])
+    assert S.median_interval(x[:5]) is None                 # under min_n(0.5) = 6: no interval
+
+
 def test_n_too_small_gives_nan_bounds_a_flag_and_says_so():
     for q in (0.5, 0.9, 0.95, 0.99):
         need = S.min_n(q)

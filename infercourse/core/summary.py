@@ -32,7 +32,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import pandas as pd
 
-__all__ = ["PERCENTILES", "DEFAULT_SUMMARY", "min_n", "shown", "order_stat_ci", "status_counts",
+__all__ = ["PERCENTILES", "DEFAULT_SUMMARY", "min_n", "shown", "order_stat_ci", "median_interval", "status_counts",
            "summarize", "ci_text", "throughput", "error_rate", "SLO_METRICS", "goodput"]
 
 PERCENTILES = (50, 90, 95, 99)
@@ -70,6 +70,14 @@ def order_stat_ci(n: int, q: float, ci: float = 0.95) -> tuple[int, int] | None:
     if not len(lows) or not len(highs) or highs[0] + 1 > n:
         return None
     return int(lows[-1]) + 1, int(highs[0]) + 1
+
+
+def median_interval(x: Iterable[float], ci: float = 0.95) -> tuple[float, float] | None:
+    """The median's distribution-free interval: the sorted values at `order_stat_ci`'s ranks;
+    None when there are too few values for one."""
+    v = np.sort(np.asarray(list(x), float))
+    ranks = order_stat_ci(len(v), 0.5, ci)
+    return (float(v[ranks[0] - 1]), float(v[ranks[1] - 1])) if ranks else None
 
 
 def shown(value: float, percentile: str, too_small: str | float | None, ci: float = 0.95) -> float | str:

@@ -75,9 +75,8 @@ def _row(r: bench.BenchResult, **labels: Any) -> dict[str, Any]:
         for q in (50, 95):
             row[f"{m}_p{q}"] = float(np.nanpercentile(ok[m], q)) if len(ok) else np.nan
     row["e2e_s_mean"] = float(ok["e2e_s"].mean()) if len(ok) else np.nan
-    ranks = summary.order_stat_ci(len(ok), 0.5)          # TTFT p50's distribution-free interval (NaN: n < 6)
-    x = np.sort(ok["ttft_s"].to_numpy(float))
-    row["ttft_s_p50_lo"], row["ttft_s_p50_hi"] = (x[ranks[0] - 1], x[ranks[1] - 1]) if ranks else (np.nan, np.nan)
+    # TTFT p50's distribution-free interval (NaN: n < 6)
+    row["ttft_s_p50_lo"], row["ttft_s_p50_hi"] = summary.median_interval(ok["ttft_s"]) or (np.nan, np.nan)
     # the share of a request's time spent before its first token (prefill and queueing): the
     # part of end-to-end throughput that is not decode
     row["prefill_share"] = float((ok["ttft_s"] / ok["e2e_s"]).median()) if len(ok) else np.nan

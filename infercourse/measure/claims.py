@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from infercourse.core.summary import order_stat_ci
+from infercourse.core.summary import median_interval
 
 __all__ = ["band_verdict", "verdict_sentence", "p_text", "mean_vs_median", "ratio_sentence", "shape_sentence", "share_vs_yardstick",
            "marginal_cost_sentence", "trend_sentence", "interval_word"]
@@ -88,9 +88,9 @@ def mean_vs_median(x: Sequence[float], name: str, *, scale: float = 1e3, unit: s
     if len(v) == 0:
         return f"{name}: no samples."
     mean, med = float(v.mean()), float(np.median(v))
-    ranks = order_stat_ci(len(v), 0.5, ci)
-    lo, hi = (v[ranks[0] - 1], v[ranks[1] - 1]) if ranks else (v[0], v[-1])
-    word = f"{ci:.0%} interval" if ranks else "range"
+    iv = median_interval(v, ci)
+    lo, hi = iv or (v[0], v[-1])
+    word = f"{ci:.0%} interval" if iv else "range"
     nums = (f"{name}: mean {mean * scale:.4g} {unit}, median {med * scale:.4g} {unit} "
             f"({word} [{lo * scale:.4g}, {hi * scale:.4g}], n = {len(v)})")
     if lo <= mean <= hi:

@@ -56,7 +56,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from infercourse.core.summary import order_stat_ci
+from infercourse.core.summary import median_interval, order_stat_ci
 from infercourse.measure.interleave import Interleaved, run_arms, run_interleaved, schedule  # noqa: F401
 from infercourse.measure.contention import (MAX_LOAD_PER_CORE, MIN_CPU_SHARE, Contention, contention,  # noqa: F401
                                             cpu_share, judge, load_per_core, runnable_others)
@@ -110,12 +110,12 @@ def paired_interval(a: Sequence[float], b: Sequence[float], ci: float = 0.95) ->
         ci: confidence level.
     """
     r = _ratios(a, b)
-    ranks = order_stat_ci(len(r), 0.5, ci)
-    lo, hi = (r[ranks[0] - 1], r[ranks[1] - 1]) if ranks else (r[0], r[-1])
+    iv = median_interval(r, ci)
+    lo, hi = iv or (r[0], r[-1])
     # even n: the geometric mean of the middle two, so that median(b/a) = 1 / median(a/b)
     mid = r[(len(r) - 1) // 2: len(r) // 2 + 1]
     med = float(np.sqrt(mid.prod())) if len(mid) == 2 and (mid > 0).all() else float(np.median(r))
-    return PairedInterval(med, float(lo), float(hi), len(r), ci, ranks is not None)
+    return PairedInterval(med, float(lo), float(hi), len(r), ci, iv is not None)
 
 
 @dataclass(frozen=True)

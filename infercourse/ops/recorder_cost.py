@@ -164,11 +164,11 @@ def _goal(c: Any, added: list[float], aa: float) -> str:
     Missed only when the whole interval lies above the goal; met only when it and the noise lie under
     it; a median just past the goal inside a wider noise is neither (the test above may still find the
     recorder slower: that it adds something says nothing of how much)."""
-    from infercourse.core.summary import order_stat_ci
-    ranks, x = order_stat_ci(len(added), 0.5), sorted(added)
-    if c.too_few or ranks is None:
+    from infercourse.core.summary import median_interval
+    iv = median_interval(added)
+    if c.too_few or iv is None:
         return "cannot be judged: too few pairs" + ("" if c.too_few else f" ({len(added)}) for an interval of the added ms")
-    lo, hi, med = x[ranks[0] - 1], x[ranks[1] - 1], float(np.median(added))
+    (lo, hi), med = iv, float(np.median(added))
     iv = f"{med:.2f} ms per call (95% interval [{lo:.2f}, {hi:.2f}] ms)"
     if lo > GOAL_MS:
         return f"missed: the recorder adds {iv}, all of it above {GOAL_MS:g} ms"
