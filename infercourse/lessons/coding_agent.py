@@ -293,10 +293,10 @@ def claude_code_settings(url: str, window: int, model: str = "local-model") -> s
             (1,000,000) for a model id it does not know and never compacts in time.
         model: the model name the agent sends.
     """
-    from infercourse.ops.agents import CLAUDE_WINDOW_ENV
+    from infercourse.ops.agents import CLAUDE_WINDOW_ENV, HEADER_OFF
     env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": "local", "ANTHROPIC_API_KEY": "",
            "ANTHROPIC_MODEL": model, "API_TIMEOUT_MS": "600000", CLAUDE_WINDOW_ENV: str(int(window)),
-           "CLAUDE_CODE_ATTRIBUTION_HEADER": "0", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+           **HEADER_OFF, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
     return (json.dumps({"env": env}, indent=2) + "\n\n# then check the route, and the window against the agent's "
             f"first request, before starting the agent:\ninfercourse doctor layers {url} --api anthropic\n"
             f"infercourse doctor agent {url} --agent claude-code")

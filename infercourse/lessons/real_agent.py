@@ -37,7 +37,7 @@ from infercourse.ops import agents
 from infercourse.ops.agent_anatomy import embedded_counter, padded_prompt
 from infercourse.ops.agent_budget import WINDOW_PAD, padded_window
 from infercourse.ops.agent_capture import GENERATING_APIS
-from infercourse.ops.agents import readiness, skip_reason
+from infercourse.ops.agents import HEADER_OFF, readiness, skip_reason
 from infercourse.ops.agent_lab import (EXTEND_CONTEXT, LabSpec, Task, anatomy, calls_table, extend_flags, refused_size,
                                        run_lab, tasks_table)
 
@@ -55,7 +55,6 @@ SIZES = {"full": {"claude-code": {}, "codex": {}},
          "ci": {"claude-code": {"system_prompt": SHORT_SYSTEM, "tools": "Read"},
                 "codex": {"codex": {"instructions": SHORT_SYSTEM}}}}
 SHORT_ANSWER = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}   # where the answer's length is not the lesson
-HEADER_OFF = {"CLAUDE_CODE_ATTRIBUTION_HEADER": "0"}    # the billing header off (a new task keeps its prefix)
 SIZING_CTX = 512   # a window no first request fits: the server refuses it at once, naming its size (no prefill)
 ANSWER_STOP = ["\n", ". "]   # a lab option (Task.answer_stop, tagged on each call): the answer ends at its first line or
 # sentence, not at the cap, an API error to the agent (a summary cut there: a failed compaction, asked again);

@@ -278,7 +278,7 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
           served_name: str | None = None) -> str:
     """The settings that fix what the checks found, with values from the probe: Claude
     Code's `env` block, or Codex's provider block."""
-    from infercourse.ops.agents import DUMMY_KEY, claude_settings, codex_config
+    from infercourse.ops.agents import DUMMY_KEY, HEADER_OFF, claude_settings, codex_config
     n_ctx = settings_window(agent, ev, shape)
     cold = (cold_forecast(int(shape["prompt_tokens"]), ev) or (None,))[0]   # the forecast the checks print
     timeout_s = max(DEFAULT_TIMEOUT_S[agent], 3 * cold) if cold else DEFAULT_TIMEOUT_S[agent]
@@ -291,7 +291,7 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
            **{f"ANTHROPIC_DEFAULT_{a}_MODEL": name for a in ("HAIKU", "SONNET", "OPUS")},
            "API_TIMEOUT_MS": int(timeout_s * 1000), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": 1}
     if any(c.layer == "KV cache" and c.status == "fail" for c in checks):
-        env["CLAUDE_CODE_ATTRIBUTION_HEADER"] = 0
+        env.update(HEADER_OFF)
     if n_ctx:
         # the pinned Claude Code takes its window from CLAUDE_CODE_MAX_CONTEXT_TOKENS (it reads an
         # AUTO_COMPACT_WINDOW under 100k as 100k); the cap comes with the compaction line (claude_budget)

@@ -74,6 +74,9 @@ DUMMY_KEY = "sk-local-dummy-not-a-real-key"
 # Claude Code's documented switches for a machine with no vendor cloud (code.claude.com/docs/en/env-vars)
 QUIET_ENV = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
              "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "NO_COLOR": "1"}
+# Claude Code's billing header off: its first system block changes with each task, so a new task
+# keeps the cached prefix only without it (the lab's sessions, the doctor's fix, the stand-in's settings)
+HEADER_OFF = {"CLAUDE_CODE_ATTRIBUTION_HEADER": "0"}
 
 
 # the pinned Claude Code's window arithmetic lives in ops.agent_budget (re-exported here)
