@@ -20,10 +20,9 @@ the rest: on a machine 1.4x slower by the probe, 15 took 1.07x its reference tim
 
 What no probe sees: a GPU, a faster disk, torch (the probes time llama.cpp: on a second 2-core
 machine, forecast ÷ measured ran from 0.78 for 10 to 1.48 for 09, 12 of 22 within 15 %, the
-course 0.91), how
-a real agent behaves (how often it compacts or retries depends on the agent, not the machine),
-and load: the load average is printed beside the forecast, and the probes were timed on the
-machine as it is now.
+course 0.91), how a real agent behaves (how often it compacts or retries depends on the agent,
+not the machine), and load: the load average is printed beside the forecast, and the probes were
+timed on the machine as it is now.
 """
 from __future__ import annotations
 

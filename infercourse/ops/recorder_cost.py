@@ -166,18 +166,18 @@ def _goal(c: Any, added: list[float], aa: float) -> str:
     it; a median just past the goal inside a wider noise is neither (the test above may still find the
     recorder slower: that it adds something says nothing of how much)."""
     from infercourse.core.summary import median_interval
-    iv = median_interval(added)
-    if c.too_few or iv is None:
+    interval = median_interval(added)
+    if c.too_few or interval is None:
         return "cannot be judged: too few pairs" + ("" if c.too_few else f" ({len(added)}) for an interval of the added ms")
-    (lo, hi), med = iv, float(np.median(added))
-    iv = f"{med:.2f} ms per call (95% interval [{lo:.2f}, {hi:.2f}] ms)"
+    (lo, hi), med = interval, float(np.median(added))
+    adds = f"{med:.2f} ms per call (95% interval [{lo:.2f}, {hi:.2f}] ms)"
     if lo > GOAL_MS:
-        return f"missed: the recorder adds {iv}, all of it above {GOAL_MS:g} ms"
+        return f"missed: the recorder adds {adds}, all of it above {GOAL_MS:g} ms"
     if hi < GOAL_MS and aa < GOAL_MS:
-        return (f"met: the recorder adds {iv}, under {GOAL_MS:g} ms" if c.decided else
-                f"met: no difference beyond the noise; the recorder adds {iv}, under {GOAL_MS:g} ms") + \
+        return (f"met: the recorder adds {adds}, under {GOAL_MS:g} ms" if c.decided else
+                f"met: no difference beyond the noise; the recorder adds {adds}, under {GOAL_MS:g} ms") + \
             f", as is the A/A noise ({aa:.2f} ms)"
-    return (f"cannot be judged here: the recorder adds {iv}, and the A/A noise is {aa:.2f} ms: "
+    return (f"cannot be judged here: the recorder adds {adds}, and the A/A noise is {aa:.2f} ms: "
             f"this run shows it neither under nor over {GOAL_MS:g} ms")
 
 
