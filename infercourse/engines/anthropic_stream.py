@@ -30,7 +30,9 @@ How each number is read, so a learner knows what to trust:
   (which it sends with the first generated token), and only `output_tokens` in
   `message_delta`; vLLM puts `input_tokens` in `message_start` and may repeat usage in
   `message_delta`; Ollama sends `input_tokens` in `message_delta`. We take the last value
-  seen of each field.
+  seen of each field. llama-server sends no `message_start` at all when the first token
+  it generates ends inside a character (the first byte of an emoji): the prompt's size is
+  then unknown (None, not 0), and `event_types` shows what was missing.
 - **tool calls**: a `tool_use` block's input arrives as `input_json_delta` pieces, joined
   and parsed at `content_block_stop`; a server that sends the input whole in
   `content_block_start` (and no deltas) is taken at its word. The calls are in the final
