@@ -534,8 +534,9 @@ def test_llama_server_tool_use_parses(llama):
 @pytest.mark.slow
 def test_llama_server_cached_tokens_match_metrics(llama):
     eng = AnthropicHTTPEngine(llama.url)
-    work = coding_agent_session(n_calls=3, max_tokens=4)
     assert eng.count_tokens(coding_agent_session().requests[-1]) + 64 <= 8192   # cpu default fits
+    # the size knobs keep its shape (header, static block, tools, steps) at a fraction of the prefill
+    work = coding_agent_session(n_calls=3, max_tokens=4, n_tools=3, static_chars=1500)
     for req in work.requests:
         before = _evaluated(llama.url)
         final = list(eng.stream(req))[-1]
@@ -543,7 +544,8 @@ def test_llama_server_cached_tokens_match_metrics(llama):
         # an independent count: the tokens the server says it evaluated are the ones not cached
         assert final.usage.prompt_tokens - final.usage.cached_tokens == evaluated
     assert final.usage.cached_tokens > 0.8 * final.usage.prompt_tokens        # later calls reuse the prefix
-    busted = coding_agent_session(n_calls=2, max_tokens=4, bust=True, salt="t").requests[1]
+    busted = coding_agent_session(n_calls=2, max_tokens=4, bust=True, salt="t", n_tools=3,
+                                  static_chars=1500).requests[1]
     final = list(eng.stream(busted))[-1]
     assert final.usage.cached_tokens < 30    # a new header at the top: nothing past it is reused
 
