@@ -118,6 +118,34 @@ def test_hand_quantizer_reproduces_llama_quantize():
         qb.compare_with_file(f16_gguf(), quantized_gguf("Q8_0"), "blk.0.attn_q.weight", "Q4_0")
 
 
+def test_a_gguf_header_is_read_once_until_the_file_changes(tmp_path, monkeypatch):
+    """gguf-py takes seconds to parse a real model's header (its tokenizer entries): the blocks
+    of one file are read from one parse, and a rewritten file is parsed again."""
+    import os
+
+    import gguf
+    from infercourse.lessons import quant_blocks as qb
+    path = tmp_path / "tiny.gguf"
+
+    def write(scale):
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_tensor("blk.0.attn_q.weight", (np.arange(64, dtype=np.float32) * scale).reshape(2, 32))
+        w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+    reads = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p, *a, **k: reads.append(p) or real(p, *a, **k))
+    write(1.0)
+    assert qb.first_block(path, "blk.0.attn_q.weight", 1)[1][0] == 32
+    assert qb.first_block(path, "blk.0.attn_q.weight", 0)[1][0] == 0 and len(reads) == 1
+    write(2.0)
+    st = path.stat()   # a coarse clock can give the rewrite the same mtime: move it on, as minutes would
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert qb.first_block(path, "blk.0.attn_q.weight", 1)[1][0] == 64 and len(reads) == 2
+    with pytest.raises(ModelLayerError):
+        qb.first_block(path, "blk.9.attn_q.weight")
+
+
 @pytest.mark.slow
 def test_tensor_rows_explains_the_fallbacks():
     from infercourse.lessons.quantization import tensor_rows

@@ -21,6 +21,7 @@ does. `compare_with_file` checks them byte for byte against a block that llama.c
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -82,9 +83,17 @@ def _check(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _tensor(path: str | Path, name: str):
+@lru_cache(maxsize=4)
+def _tensors(path: str, stamp: tuple[int, int]) -> dict:
+    """A GGUF's tensors by name, memory-mapped. Reading the header costs seconds (gguf-py
+    parses every tokenizer entry), so each file is read once per (mtime, size) `stamp`."""
     from gguf import GGUFReader
-    found = {t.name: t for t in GGUFReader(str(path)).tensors}
+    return {t.name: t for t in GGUFReader(path).tensors}
+
+
+def _tensor(path: str | Path, name: str):
+    st = Path(path).stat()
+    found = _tensors(str(path), (st.st_mtime_ns, st.st_size))
     if name not in found:
         raise ModelLayerError(f"{name!r} not in {path}", hint=f"tensors look like: {', '.join(list(found)[:5])}...")
     return found[name]
