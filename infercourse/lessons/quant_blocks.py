@@ -21,12 +21,12 @@ does. `compare_with_file` checks them byte for byte against a block that llama.c
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from infercourse.core.errors import ModelLayerError
+from infercourse.models.gguf_header import read_header
 
 __all__ = ["BLOCK", "quantize_q8_0", "quantize_q4_0", "dequantize", "block_bytes", "first_block",
            "compare_with_file", "plot_block"]
@@ -83,17 +83,10 @@ def _check(x: np.ndarray) -> np.ndarray:
     return x
 
 
-@lru_cache(maxsize=4)
-def _tensors(path: str, stamp: tuple[int, int]) -> dict:
-    """A GGUF's tensors by name, memory-mapped. Reading the header costs seconds (gguf-py
-    parses every tokenizer entry), so each file is read once per (mtime, size) `stamp`."""
-    from gguf import GGUFReader
-    return {t.name: t for t in GGUFReader(path).tensors}
-
-
-def _tensor(path: str | Path, name: str):
-    st = Path(path).stat()
-    found = _tensors(str(path), (st.st_mtime_ns, st.st_size))
+def _tensor(path: str | Path, name: str) -> dict:
+    # the header's own reader (models.gguf_header): gguf.GGUFReader would parse every
+    # tokenizer entry first, seconds a file, for the 32 weights this lesson reads
+    found = {t["name"]: t for t in read_header(path)[1]}
     if name not in found:
         raise ModelLayerError(f"{name!r} not in {path}", hint=f"tensors look like: {', '.join(list(found)[:5])}...")
     return found[name]
@@ -101,23 +94,25 @@ def _tensor(path: str | Path, name: str):
 
 def first_block(path: str | Path, tensor: str, index: int = 0) -> tuple[str, np.ndarray]:
     """(storage type, raw bytes or float values) of block `index` of a tensor in a GGUF:
-    float32 values for an F16/F32 tensor, the block's bytes for a quantized one.
+    float32 values for an F16/F32/BF16 tensor, the block's bytes for a quantized one.
 
     Args:
         path: the GGUF file.
         tensor: tensor name, e.g. "blk.0.attn_q.weight".
         index: which block of 32 weights (0 = the first 32 weights of row 0).
     """
-    from gguf import GGML_QUANT_SIZES
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     t = _tensor(path, tensor)
-    kind = t.tensor_type.name
-    data = np.asarray(t.data).reshape(-1)
+    kind = t["type"]
     if kind in ("F16", "F32", "BF16"):
-        return kind, data[index * BLOCK:(index + 1) * BLOCK].astype(np.float32)
-    per_block, nbytes = GGML_QUANT_SIZES[t.tensor_type]
+        dtype = np.dtype({"F16": np.float16, "F32": np.float32, "BF16": np.uint16}[kind])
+        x = np.fromfile(path, dtype, BLOCK, offset=t["offset"] + index * BLOCK * dtype.itemsize)
+        # bfloat16 is the top half of a float32
+        return kind, (x.astype(np.uint32) << 16).view(np.float32) if kind == "BF16" else x.astype(np.float32)
+    per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     if per_block != BLOCK:
         raise ModelLayerError(f"{tensor} is {kind} (blocks of {per_block}); this lesson reads 32-weight blocks")
-    return kind, data.view(np.uint8)[index * nbytes:(index + 1) * nbytes].copy()
+    return kind, np.fromfile(path, np.uint8, nbytes, offset=t["offset"] + index * nbytes)
 
 
 def compare_with_file(f16_path: str | Path, quant_path: str | Path, tensor: str, qtype: str,

@@ -65,7 +65,8 @@ def read_header(path: str | Path, keep_array: int = 64) -> tuple[dict[str, Any],
 
     Returns:
         metadata {key: value}; tensors [{"name", "shape" (innermost first, as GGUF stores it),
-        "type" (a `gguf.GGMLQuantizationType` name), "n_elements", "n_bytes"}].
+        "type" (a `gguf.GGMLQuantizationType` name), "n_elements", "n_bytes", "offset" (of
+        its data, from the start of the file)}].
     """
     import gguf
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -86,11 +87,15 @@ def read_header(path: str | Path, keep_array: int = 64) -> tuple[dict[str, Any],
             name = c.string()
             shape = [c.unpack("<Q") for _ in range(c.unpack("<I"))]
             qtype = gguf.GGMLQuantizationType(c.unpack("<I"))
-            c.unpack("<Q")                           # offset into the data section
+            offset = c.unpack("<Q")                  # into the data section, which starts aligned
             n = 1
             for d in shape:
                 n *= d
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             tensors.append({"name": name, "shape": shape, "type": qtype.name, "n_elements": n,
-                            "n_bytes": n // block * size})
+                            "n_bytes": n // block * size, "offset": offset})
+        align = int(meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+        start = -(-c.pos // align) * align
+    for t in tensors:
+        t["offset"] += start
     return meta, tensors
