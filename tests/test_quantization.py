@@ -118,30 +118,79 @@ def test_hand_quantizer_reproduces_llama_quantize():
         qb.compare_with_file(f16_gguf(), quantized_gguf("Q8_0"), "blk.0.attn_q.weight", "Q4_0")
 
 
+def _tiny_gguf(path, x, types=("F32", "F16", "Q8_0")):
+    """A GGUF with a 300-entry vocabulary and `x` stored once per type (a tuple of types: each
+    tensor named by its type; a dict: {name: type})."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(300)])   # a vocabulary to skip
+    for name, kind in (types.items() if isinstance(types, dict) else zip(types, types)):
+        q = gguf.GGMLQuantizationType[kind]
+        if kind in ("F32", "F16"):
+            w.add_tensor(name, x.astype(np.float32 if kind == "F32" else np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, q), raw_dtype=q)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return path
+
+
 def test_a_block_is_read_without_parsing_the_vocabulary(tmp_path, monkeypatch):
     """gguf-py's reader takes seconds on a real model's header (it parses every tokenizer
     entry); first_block reads the 32 weights at the offset the header gives, and they are the
     ones gguf-py finds, for every type the lesson reads."""
     import gguf
     from infercourse.lessons import quant_blocks as qb
-    path = tmp_path / "tiny.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(300)])   # a vocabulary to skip
     x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
-    w.add_tensor("f32", x)
-    w.add_tensor("f16", x.astype(np.float16))
-    w.add_tensor("q8", gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
-                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    path = _tiny_gguf(tmp_path / "tiny.gguf", x)
     found = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
     monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("parsed the whole header"))
-    assert qb.first_block(path, "f32", 1)[0] == "F32" and (qb.first_block(path, "f32", 1)[1] == x[1]).all()
-    kind, got = qb.first_block(path, "f16", 1)
-    assert kind == "F16" and (got == found["f16"].reshape(-1)[32:].astype(np.float32)).all()
-    kind, got = qb.first_block(path, "q8", 1)
-    assert kind == "Q8_0" and got.tobytes() == found["q8"].reshape(-1).view(np.uint8)[34:68].tobytes()
+    assert qb.first_block(path, "F32", 1)[0] == "F32" and (qb.first_block(path, "F32", 1)[1] == x[1]).all()
+    kind, got = qb.first_block(path, "F16", 1)
+    assert kind == "F16" and (got == found["F16"].reshape(-1)[32:].astype(np.float32)).all()
+    kind, got = qb.first_block(path, "Q8_0", 1)
+    assert kind == "Q8_0" and got.tobytes() == found["Q8_0"].reshape(-1).view(np.uint8)[34:68].tobytes()
     with pytest.raises(ModelLayerError):
         qb.first_block(path, "blk.9.attn_q.weight")
+
+
+def test_the_lessons_read_tensors_from_the_header_as_gguf_py_does(tmp_path, monkeypatch):
+    """tensor_types (06's ladder reads it for every file), tensor_rows, levels_per_block and
+    07's grid_distance read the header by hand and map the weights at its offsets: the same
+    arrays, types and byte counts gguf-py's reader gives, without it (seconds a real file)."""
+    import gguf
+    from gguf.quants import dequantize
+    from infercourse.lessons import quant_grid, quantization as qz
+    from infercourse.models.gguf_header import tensor_data, tensor_table
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 64)).astype(np.float32)
+    path = _tiny_gguf(tmp_path / "tiny.gguf", x, ("F32", "F16", "BF16", "Q8_0", "Q4_1"))
+    other = _tiny_gguf(tmp_path / "other.gguf", x, {"Q4_1": "Q8_0", "F32": "Q8_0"})   # "Q4_1" re-stored
+    ref = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    ref_other = {t.name: t for t in gguf.GGUFReader(str(other)).tensors}
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("parsed the whole header"))
+    table = tensor_table(path)
+    for name, t in ref.items():
+        got, want = tensor_data(path, table[name]), np.asarray(t.data)
+        if name == "BF16":   # gguf-py gives its bytes; we give its 16 bits
+            got = np.asarray(got).view(np.uint8)
+        assert got.shape == want.shape and np.array_equal(got, want), name
+    assert qz.tensor_types(path) == {t.tensor_type.name: {"count": 1, "bytes": int(t.n_bytes)} for t in ref.values()}
+    rows = qz.tensor_rows(path).set_index("tensor")
+    assert rows.loc["Q4_1", "types"] == "Q4_1" and rows["row_length"].eq(64).all() and len(rows) == 5
+    levels = qz.levels_per_block(path, ["F32", "BF16"])
+    bf16 = np.asarray(ref["BF16"].data).view(np.uint16).reshape(-1, 32)      # gguf-py's bytes, as 16 bits
+    assert levels["F32"] == {"max": 32, "mean": 32.0, "blocks": 8}
+    assert levels["BF16"]["mean"] == pytest.approx(np.mean([len(set(b)) for b in bf16]))
+    with pytest.raises(ModelLayerError):
+        qz.levels_per_block(path, ["Q4_1"])
+    # 07's table: Q4_1 in the original against Q8_0 in the other, from gguf-py's own dequantization
+    q41 = dequantize(np.asarray(ref["Q4_1"].data), gguf.GGMLQuantizationType.Q4_1).astype(np.float64)
+    q8 = dequantize(np.asarray(ref_other["Q4_1"].data), gguf.GGMLQuantizationType.Q8_0).astype(np.float64)
+    grid = quant_grid.grid_distance(path, other).set_index("tensor")
+    assert list(grid.index) == ["Q4_1"]          # the one tensor stored as Q4_1 in the original
+    row = grid.loc["Q4_1"]
+    assert (row["type"], row["bits"], row["n"]) == ("Q8_0", 8, x.size)
+    assert row["rms_to_q4_1"] == pytest.approx(np.sqrt(np.mean((q8 - q41) ** 2)), rel=1e-12)
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from infercourse.core.errors import ModelLayerError
-from infercourse.models.gguf_header import read_header
+from infercourse.models.gguf_header import tensor_data, tensor_table
 
 __all__ = ["BLOCK", "quantize_q8_0", "quantize_q4_0", "dequantize", "block_bytes", "first_block",
            "compare_with_file", "plot_block"]
@@ -86,7 +86,7 @@ def _check(x: np.ndarray) -> np.ndarray:
 def _tensor(path: str | Path, name: str) -> dict:
     # the header's own reader (models.gguf_header): gguf.GGUFReader would parse every
     # tokenizer entry first, seconds a file, for the 32 weights this lesson reads
-    found = {t["name"]: t for t in read_header(path)[1]}
+    found = tensor_table(path)
     if name not in found:
         raise ModelLayerError(f"{name!r} not in {path}", hint=f"tensors look like: {', '.join(list(found)[:5])}...")
     return found[name]
@@ -103,16 +103,15 @@ def first_block(path: str | Path, tensor: str, index: int = 0) -> tuple[str, np.
     """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     t = _tensor(path, tensor)
-    kind = t["type"]
+    kind, data = t["type"], tensor_data(path, t).reshape(-1)   # mapped: only the block is read
     if kind in ("F16", "F32", "BF16"):
-        dtype = np.dtype({"F16": np.float16, "F32": np.float32, "BF16": np.uint16}[kind])
-        x = np.fromfile(path, dtype, BLOCK, offset=t["offset"] + index * BLOCK * dtype.itemsize)
+        x = np.array(data[index * BLOCK:(index + 1) * BLOCK])
         # bfloat16 is the top half of a float32
         return kind, (x.astype(np.uint32) << 16).view(np.float32) if kind == "BF16" else x.astype(np.float32)
     per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     if per_block != BLOCK:
         raise ModelLayerError(f"{tensor} is {kind} (blocks of {per_block}); this lesson reads 32-weight blocks")
-    return kind, np.fromfile(path, np.uint8, nbytes, offset=t["offset"] + index * nbytes)
+    return kind, np.array(data[index * nbytes:(index + 1) * nbytes])
 
 
 def compare_with_file(f16_path: str | Path, quant_path: str | Path, tensor: str, qtype: str,

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from infercourse.core.errors import ModelLayerError
+from infercourse.models.gguf_header import tensor_data, tensor_table
 
 __all__ = ["fresh_round", "grid_distance", "grid_text"]
 
@@ -47,9 +48,6 @@ def fresh_round(w: np.ndarray, group: int = 32, bits: int = 4, shift: int = 0) -
     return np.roll((np.round((g - lo) / step) * step + lo).reshape(w.shape), shift, axis=-1)
 
 
-def _tensors(path: str | Path) -> dict:
-    from gguf import GGUFReader
-    return {t.name: t for t in GGUFReader(str(path)).tensors}
 
 
 def grid_distance(original: str | Path, other: str | Path, group: int = 32):
@@ -65,18 +63,18 @@ def grid_distance(original: str | Path, other: str | Path, group: int = 32):
     import pandas as pd
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
-    orig, oth = _tensors(original), _tensors(other)
-    rows = []
+    orig, oth = tensor_table(original), tensor_table(other)   # the headers only: gguf-py's reader
+    rows = []                                                 # parses every tokenizer entry first
     for name, t in orig.items():
-        if t.tensor_type != Q.Q4_1 or name not in oth:
+        if t["type"] != "Q4_1" or name not in oth:
             continue
-        w1 = dequantize(t.data, t.tensor_type).astype(np.float64)
         u = oth[name]
-        w2 = dequantize(u.data, u.tensor_type).astype(np.float64).reshape(w1.shape)
-        bits = BITS.get(u.tensor_type.name)
+        bits = BITS.get(u["type"])
         if bits is None:   # stored as a float: nothing to re-round
             continue
-        rows.append({"tensor": name, "type": u.tensor_type.name, "bits": bits, "n": w1.size,
+        w1 = dequantize(tensor_data(original, t), Q.Q4_1).astype(np.float64)
+        w2 = dequantize(tensor_data(other, u), Q[u["type"]]).astype(np.float64).reshape(w1.shape)
+        rows.append({"tensor": name, "type": u["type"], "bits": bits, "n": w1.size,
                      "rms_to_q4_1": float(np.sqrt(np.mean((w2 - w1) ** 2))),
                      "rms_fresh": float(np.sqrt(np.mean((fresh_round(w1, group, bits, group // 2) - w1) ** 2)))})
     if not rows:

@@ -14,7 +14,9 @@ file really came from: weights dequantized from 4-bit blocks take at most 16 dis
 values per block, whatever the container's dtype. `tensor_rows` and `tensor_types` read
 what each file stores per tensor (a K-quant falls back to 32-weight types for rows that do
 not split into 256), which is also what explains its memory: llama.cpp's CPU backend keeps
-some block types a second time, repacked for its interleaved kernels.
+some block types a second time, repacked for its interleaved kernels. All three read the
+file's header with `models.gguf_header` (gguf-py's reader parses every tokenizer entry first,
+seconds a file) and map only the weights they look at.
 
 The sentences that say what a ladder showed live in `quant_claims`.
 """
@@ -28,6 +30,7 @@ import numpy as np
 
 from infercourse import compat
 from infercourse.core.errors import ModelLayerError
+from infercourse.models.gguf_header import read_header, tensor_data, tensor_table
 
 __all__ = ["measure_ladder", "ladder_paths", "greedy_agreement", "levels_per_block",
            "ladder_table", "tensor_rows", "tensor_types", "file_bits_per_weight", "file_decode_speed"]
@@ -239,20 +242,19 @@ def levels_per_block(gguf_path: str | Path, tensors: Sequence[str], block: int =
             have about a million).
     Returns {tensor: {"max": ..., "mean": ..., "blocks": ...}}.
     """
-    from gguf import GGUFReader
     if isinstance(tensors, str):
         raise TypeError("tensors must be a list of names, e.g. [\"blk.0.attn_q.weight\"]")
-    found = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    found = tensor_table(gguf_path)
     out = {}
     for name in tensors:
         if name not in found:
             raise ModelLayerError(f"{name!r} not in {gguf_path}",
                                   hint=f"tensors look like: {', '.join(list(found)[:6])}...")
         t = found[name]
-        if t.tensor_type.name not in ("F16", "F32", "BF16"):
-            raise ModelLayerError(f"{name} is stored as {t.tensor_type.name}; levels_per_block "
+        if t["type"] not in ("F16", "F32", "BF16"):
+            raise ModelLayerError(f"{name} is stored as {t['type']}; levels_per_block "
                                   "reads unquantized tensors", hint="use the F16 GGUF")
-        data = np.asarray(t.data).reshape(-1)
+        data = np.asarray(tensor_data(gguf_path, t)).reshape(-1)   # BF16's raw bits: distinct as its values
         data = data[: data.size // block * block].reshape(-1, block)[:max_blocks]
         srt = np.sort(data, axis=1)  # distinct values per row = 1 + steps in the sorted row
         counts = (np.diff(srt, axis=1) != 0).sum(axis=1) + 1
@@ -273,9 +275,8 @@ def tensor_rows(gguf_path: str | Path):
     import re
 
     import pandas as pd
-    from gguf import GGUFReader
-    rows = [{"tensor": re.sub(r"^blk\.\d+\.", "blk.N.", t.name), "row_length": int(t.shape[0]),
-             "type": t.tensor_type.name} for t in GGUFReader(str(gguf_path)).tensors if len(t.shape) > 1]
+    rows = [{"tensor": re.sub(r"^blk\.\d+\.", "blk.N.", t["name"]), "row_length": int(t["shape"][0]),
+             "type": t["type"]} for t in read_header(gguf_path)[1] if len(t["shape"]) > 1]
     df = pd.DataFrame(rows)
     out = df.groupby("tensor").agg(row_length=("row_length", "first"),
                                    types=("type", lambda x: ", ".join(sorted(set(x)))), count=("type", "size"))
@@ -290,12 +291,11 @@ def tensor_types(gguf_path: str | Path) -> dict[str, dict[str, int]]:
     Args:
         gguf_path: a GGUF file.
     """
-    from gguf import GGUFReader
     out: dict[str, dict[str, int]] = {}
-    for t in GGUFReader(str(gguf_path)).tensors:
-        e = out.setdefault(t.tensor_type.name, {"count": 0, "bytes": 0})
+    for t in read_header(gguf_path)[1]:
+        e = out.setdefault(t["type"], {"count": 0, "bytes": 0})
         e["count"] += 1
-        e["bytes"] += int(t.n_bytes)
+        e["bytes"] += int(t["n_bytes"])
     return out
 
 

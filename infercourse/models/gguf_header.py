@@ -7,7 +7,9 @@ machine, for a lesson that needs two numbers (the architecture and the sliding w
 This reader walks the same layout (GGUF v2/v3: magic, version, tensor and key counts, the
 key-value pairs, then the tensor infos) and skips over long arrays instead of decoding them,
 so the header of any model costs the same. Written by hand for that reason; the value types
-and the block sizes come from the `gguf` package, so the two cannot drift apart.
+and the block sizes come from the `gguf` package, so the two cannot drift apart. `tensor_data`
+maps one tensor's bytes at the offset the header gives (what a lesson reads of the weights),
+in the shape gguf-py's reader gives them, so `gguf.quants.dequantize` takes them as they are.
 """
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ import struct
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_header"]
+__all__ = ["read_header", "tensor_table", "tensor_data"]
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+# GGUF types stored one number per element; every other type is blocks, read as bytes
+_ONE_PER_ELEMENT = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8", "I8": "i1", "I16": "<i2", "I32": "<i4",
+                    "I64": "<i8"}
 
 
 class _Cursor:
@@ -99,3 +104,27 @@ def read_header(path: str | Path, keep_array: int = 64) -> tuple[dict[str, Any],
     for t in tensors:
         t["offset"] += start
     return meta, tensors
+
+
+def tensor_table(path: str | Path) -> dict[str, dict[str, Any]]:
+    """{tensor name: its entry in `read_header`} of a GGUF file."""
+    return {t["name"]: t for t in read_header(path)[1]}
+
+
+def tensor_data(path: str | Path, tensor: dict[str, Any]) -> Any:
+    """One tensor's data as stored, memory-mapped (read from disk only where it is used), in
+    numpy's order (outermost dimension first): its numbers for a type stored one per element
+    (F32, F16, BF16 as its raw 16 bits, F64, I8..I64), and for a block type the bytes of each row
+    (`gguf.quants.quant_shape_to_byte_shape`), which `gguf.quants.dequantize` reads.
+
+    Args:
+        path: the .gguf file.
+        tensor: its entry in `read_header(path)[1]` (or `tensor_table(path)[name]`).
+    """
+    import gguf
+    import numpy as np
+    shape = tuple(reversed(tensor["shape"]))
+    if tensor["type"] in _ONE_PER_ELEMENT:
+        return np.memmap(path, np.dtype(_ONE_PER_ELEMENT[tensor["type"]]), "r", tensor["offset"], shape)
+    qtype = gguf.GGMLQuantizationType[tensor["type"]]
+    return np.memmap(path, np.uint8, "r", tensor["offset"], gguf.quants.quant_shape_to_byte_shape(shape, qtype))
