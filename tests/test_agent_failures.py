@@ -258,31 +258,75 @@ def test_kv_cuts_share_one_prefill():
     assert afn.agent_context()["tail"].endswith(tc.CALL_OPEN)
 
 
-# ---- live, at the smallest size -----------------------------------------------------------------
+def test_the_agent_rows_can_be_left_to_notebook_19():
+    """18's CI size runs without the four rows that each start a server (19 and the live tests
+    below run the same experiments); the table's order and a chosen subset are kept."""
+    every = symptoms.rows()
+    assert every == tuple(symptoms.SYMPTOMS) and len(every) == 17
+    without = symptoms.rows(agent_rows=False)
+    assert len(without) == 13 and not {symptoms.SYMPTOMS[s][1] for s in without} & set(symptoms.AGENT_FAILURES)
+    assert symptoms.rows(("tokens slow", "tool calls break late in a long session"), agent_rows=False) == ("tokens slow",)
+    with pytest.raises(ValueError, match="no symptom row"):
+        symptoms.rows(("tokens are slow",))
+
+
+# ---- live, at the smallest size: through notebook 18's rows, which notebook 19's cells share -------
 @pytest.mark.slow
-def test_reasoning_replay_live_the_server_agrees_and_only_the_qwen3_shape_loses_cache():
-    with af.serve(threads=1) as srv:
-        s = af.thinking_session(2, 1)
-        names = list(af.HISTORY)[:2]
-        t = af.reasoning_table({n: af.reasoning_replay(srv.url, s, af.HISTORY[n]) for n in names})
-    assert t["server_agrees"].all()
+def test_reasoning_row_live_the_server_agrees_and_only_the_qwen3_shape_loses_cache():
+    layer, evidence, values = af.reasoning_row(threads=1)      # a session of 2 user messages, 1 step each
+    t = pd.DataFrame(values["table"]).set_index("history")
+    names = list(af.HISTORY)[:2]
+    assert list(t.index) == names and t["server_agrees"].all()
     assert t.loc[names[0], "lost_per_user_message"] > 0 and t.loc[names[1], "cache_lost_total"] == 0
+    assert layer == "model" and "agrees" in evidence
 
 
 @pytest.mark.slow
-def test_tool_counts_live_required_calls_are_valid_and_an_oversized_count_is_refused():
-    with aft.serve(threads=1, ctx=1024) as srv:
-        rows = aft.tool_counts(srv.url, (1, 30), requests=1, window=1024, modes=("required",))
-    assert rows.loc[rows["tools"] == 1, "args_valid"].all()
-    over = rows[~rows["fits"]]
-    assert len(over) == 1 and over["error"].iloc[0].startswith("HTTP 4")
+def test_tools_row_live_required_calls_are_valid_and_an_oversized_count_is_refused():
+    layer, evidence, values = aft.tools_row(threads=1, counts=(1, 30), requests=1, ctx=1024)
+    t = pd.DataFrame(values["table"]).set_index("tools")
+    assert t.loc[1, "fits"] and t.loc[1, "required_valid"] == 1.0
+    assert not t.loc[30, "fits"] and t.loc[30, "refused"].startswith("HTTP 4")
+    assert layer == "context" and evidence.startswith(f"30 tools = {t.loc[30, 'prompt_tokens']:,} prompt tokens")
 
 
 @pytest.mark.slow
-def test_kv_long_context_live_scores_the_reference_in_each_cache():
-    t = afn.kv_long_context(("f16", "q4_0"), (1024,), threads=1)
+def test_kv_row_live_scores_the_reference_in_each_cache():
+    layer, evidence, values = afn.kv_row(threads=1, context=1024)
+    t = pd.DataFrame(values["table"])
     assert list(t["kv_type"]) == ["f16", "q4_0"] and (t["nll_mean"] > 0).all()
     assert np.isfinite(t["nll_total"]).all() and t["generated"].str.startswith(tc.CALL_OPEN).all()
+    worse = values["nll_q4_0"] - values["nll_f16"] > afn.NLL_TOL or t["call"].nunique(dropna=False) > 1
+    assert (layer == "KV cache") == worse and f"{values['nll_f16']:.3f}" in evidence
+
+
+def test_spec_row_names_the_runtime_only_when_a_token_differs(monkeypatch):
+    """18's speculative-decoding row on stand-in answers (the live servers are
+    test_spec_tool_calls_live's): a differing token id names the runtime, and the evidence
+    counts the calls and the drafted tokens accepted."""
+    class Stub:
+        def __init__(self, arm):
+            self.url = arm
+
+        def stop(self):
+            pass
+
+    def answers(ids_by_arm):
+        def call(url, text, tools, max_tokens):
+            return {"ids": ids_by_arm[url][text], "draft_n": 4 if url == "draft Q4_1" else 0,
+                    "draft_accepted": 3 if url == "draft Q4_1" else 0}
+        return call
+
+    monkeypatch.setattr(afn, "spec_servers", lambda arms, threads=1: {a: Stub(a) for a in arms})
+    asks = ("a", "b")
+    same = {arm: {"a": [1, 2], "b": [3]} for arm in ("plain", "draft Q4_1")}
+    monkeypatch.setattr(afn, "_spec_call", answers(same))
+    layer, evidence, values = afn.spec_row(requests=asks)
+    assert layer is None and values["differ"] == [] and evidence.startswith("0 of 2 greedy tool calls")
+    assert "(6 of 8 drafted tokens accepted)" in evidence
+    monkeypatch.setattr(afn, "_spec_call", answers({**same, "draft Q4_1": {"a": [1, 2], "b": [4]}}))
+    layer, evidence, values = afn.spec_row(requests=asks)
+    assert layer == "runtime" and values["differ"] == [1] and evidence.startswith("1 of 2 greedy tool calls")
 
 
 @pytest.mark.slow

@@ -189,7 +189,8 @@ def kv_row(server=None, *, threads: int | None = 1, context: int = 1024):
                 f"{f['nll_mean']:.3f} nats/token with an f16 KV cache and {q['nll_mean']:.3f} with q4_0 ({d:+.3f}); "
                 f"greedy call: {said(f)} vs {said(q)}")
     worse = d > NLL_TOL or f["call"] != q["call"]
-    return ("KV cache" if worse else None), evidence, {"nll_f16": f["nll_mean"], "nll_q4_0": q["nll_mean"]}
+    return ("KV cache" if worse else None), evidence, {"nll_f16": f["nll_mean"], "nll_q4_0": q["nll_mean"],
+                                                       "table": t.reset_index().to_dict("records")}
 
 
 # ---- speculative decoding ---------------------------------------------------------------------

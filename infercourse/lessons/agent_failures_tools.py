@@ -198,13 +198,15 @@ def family_models() -> dict[str, tuple[Any, str | None]]:
             else (None, why)}
 
 
-def tools_row(server=None, *, threads: int | None = 1, counts: Sequence[int] = (1, 10, 100), requests: int = 2):
+def tools_row(server=None, *, threads: int | None = 1, counts: Sequence[int] = (1, 10, 100), requests: int = 2,
+              ctx: int = 8192):
     """Notebook 18's "tool calls fail with many tools connected" row on the embedded model
-    (its own server), as (layer or None, evidence, values): "context" when the largest count
-    does not fit the window (the refusal is the failure the agent sees), else "model" when the
-    share of right tools fell from the fewest tools to the most, else None."""
-    with serve(threads=threads) as srv:
-        t = tools_table(tool_counts(srv.url, counts, requests=requests, modes=("required",), label="SmolLM2"))
+    (its own server of `ctx` tokens), as (layer or None, evidence, values): "context" when the
+    largest count does not fit the window (the refusal is the failure the agent sees), else
+    "model" when the share of right tools fell from the fewest tools to the most, else None."""
+    with serve(threads=threads, ctx=ctx) as srv:
+        t = tools_table(tool_counts(srv.url, counts, requests=requests, window=ctx, modes=("required",),
+                                    label="SmolLM2"))
     t = t.droplevel("model")
     fit, over = t[t["fits"]], t[~t["fits"]]
     right = f"right tool {fit['required_right'].iloc[0]:.0%} → {fit['required_right'].iloc[-1]:.0%} from " \

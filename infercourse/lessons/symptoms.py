@@ -37,7 +37,7 @@ from infercourse.measure import noise
 from infercourse.ops.anthropic_probe import cache_buster_check, tool_check
 from infercourse.ops.faults import FAULTS, run_fault
 
-__all__ = ["SYMPTOMS", "DIFFERS", "MEASURED", "SymptomRow", "reproduce", "context_growth", "cpu_contention",
+__all__ = ["SYMPTOMS", "AGENT_FAILURES", "rows", "DIFFERS", "MEASURED", "SymptomRow", "reproduce", "context_growth", "cpu_contention",
            "blank_sheet", "cheatsheet_markdown", "growth_lengths", "prefill_only_ratio", "ttft_ms", "detect_seconds"]
 
 # symptom -> (the guide's suspect layers, in its order; how it is reproduced here)
@@ -62,6 +62,28 @@ SYMPTOMS = {
     "tool calls break late in a long session": (("KV cache", "context", "model"), "quantized_kv"),
     "tool calls change with speculative decoding": (("engine", "runtime"), "spec_tool_calls"),
 }
+
+# how -> what notebook 19 calls the failure: the rows measured by another lesson (`reproduce`'s reproducers)
+AGENT_FAILURES = {"reasoning_dropped": "reasoning dropped from history", "many_tools": "many tools",
+                  "quantized_kv": "a quantized KV cache at long context",
+                  "spec_tool_calls": "speculative decoding on tool calls"}
+
+
+def rows(symptoms=None, *, agent_rows: bool = True) -> tuple[str, ...]:
+    """The symptom rows to reproduce, in the table's order: `symptoms` (None: every row), less
+    the four local-agent failures when `agent_rows` is False (each starts its own server;
+    notebook 19 measures the same four at a larger size).
+
+    Args:
+        symptoms: names from `SYMPTOMS`, or None.
+        agent_rows: keep the rows of `AGENT_FAILURES`.
+    """
+    names = tuple(SYMPTOMS) if symptoms is None else tuple(symptoms)
+    unknown = [s for s in names if s not in SYMPTOMS]
+    if unknown:
+        raise ValueError(f"no symptom row {unknown[0]!r}; the rows: {', '.join(SYMPTOMS)}")
+    return tuple(s for s in names if agent_rows or SYMPTOMS[s][1] not in AGENT_FAILURES)
+
 
 # Why the layer this lab's evidence names can differ from the guide's suspects.
 DIFFERS = {
