@@ -63,21 +63,14 @@ SYMPTOMS = {
     "tool calls change with speculative decoding": (("engine", "runtime"), "spec_tool_calls"),
 }
 
-# how -> what notebook 19 calls the failure: the rows measured by another lesson (`reproduce`'s reproducers)
-AGENT_FAILURES = {"reasoning_dropped": "reasoning dropped from history", "many_tools": "many tools",
-                  "quantized_kv": "a quantized KV cache at long context",
-                  "spec_tool_calls": "speculative decoding on tool calls"}
+# notebook 19's four failures: the rows another lesson measures (`reproduce`'s reproducers)
+AGENT_FAILURES = ("reasoning_dropped", "many_tools", "quantized_kv", "spec_tool_calls")
 
 
 def rows(symptoms=None, *, agent_rows: bool = True) -> tuple[str, ...]:
-    """The symptom rows to reproduce, in the table's order: `symptoms` (None: every row), less
-    the four local-agent failures when `agent_rows` is False (each starts its own server;
-    notebook 19 measures the same four at a larger size).
-
-    Args:
-        symptoms: names from `SYMPTOMS`, or None.
-        agent_rows: keep the rows of `AGENT_FAILURES`.
-    """
+    """The rows to reproduce, in the table's order: `symptoms` (names from `SYMPTOMS`; None:
+    every row), less those of `AGENT_FAILURES` when `agent_rows` is False (each starts its own
+    server; notebook 19 measures the same four at a larger size)."""
     names = tuple(SYMPTOMS) if symptoms is None else tuple(symptoms)
     unknown = [s for s in names if s not in SYMPTOMS]
     if unknown:
