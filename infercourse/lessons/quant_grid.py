@@ -48,8 +48,6 @@ def fresh_round(w: np.ndarray, group: int = 32, bits: int = 4, shift: int = 0) -
     return np.roll((np.round((g - lo) / step) * step + lo).reshape(w.shape), shift, axis=-1)
 
 
-
-
 def grid_distance(original: str | Path, other: str | Path, group: int = 32):
     """One row per tensor stored as Q4_1 in `original`: its type and bits in `other`, the
     rms distance of `other`'s values from the Q4_1 ones (`rms_to_q4_1`), the rms distance a
