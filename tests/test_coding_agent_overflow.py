@@ -128,12 +128,29 @@ def test_cold_ttft_at_sends_every_repeat_with_a_header_never_sent_before(monkeyp
 
 def test_the_printed_settings_name_the_servers_window():
     """Without CLAUDE_CODE_MAX_CONTEXT_TOKENS the pinned Claude Code assumes 1,000,000 tokens for
-    a model it does not know: the settings 19 prints carry the window they were given."""
+    a model it does not know: the settings 19 prints carry the window they were given, and they
+    are doctor agent's (one source): a dummy token, every alias, and an answer cap sized with the
+    window and the agent's first request; 19's had Claude Code's default cap of 32,000, which on
+    its 8,192-token server put the compaction line below zero."""
     import json
-    for window in (8192, 32768):
+
+    from infercourse.ops.agent_budget import claude_budget
+    from infercourse.ops.agent_doctor import agent_shape
+    from infercourse.ops.agents import claude_env
+    first = int(agent_shape("claude-code")["prompt_tokens"])
+    for window in (8192, 32768, 65536):
         text = coding_agent.claude_code_settings("http://127.0.0.1:8", window)
         env = json.loads(text[:text.index("\n\n")])["env"]
         assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(window) and "doctor agent http://127.0.0.1:8" in text
+        b = claude_budget(first, window)
+        assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == str(b["answer_cap"])
+        assert env == {k: str(v) for k, v in claude_env("http://127.0.0.1:8", "local-model", window=window,
+                                                         first=first).items()}
+        assert env["ANTHROPIC_DEFAULT_OPUS_MODEL"] == "local-model" and env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
+        assert f"compaction line {b['compacts_above']:,}" in text
+        smallest = f"room to grow: {claude_budget(first)['window']:,} tokens a slot"
+        assert (smallest in text) == (not b["fits"]), window
+    assert not claude_budget(first, 8192)["fits"] and claude_budget(first, 65536)["fits"]
 
 
 def test_both_predict_guesses_are_scored_against_the_run():

@@ -276,15 +276,17 @@ def routes(*, ollama_url: str | None = None, vllm_url: str | None = None,
 
 
 def claude_code_settings(url: str, window: int, model: str = "local-model") -> str:
-    """The settings that point Claude Code at `url`, to paste into ~/.claude/settings.json.
-    Printed, never run. Sources: Claude Code's env-vars reference (code.claude.com/docs/en/
-    env-vars: ANTHROPIC_BASE_URL, ANTHROPIC_AUTH_TOKEN, ANTHROPIC_API_KEY, ANTHROPIC_MODEL,
-    API_TIMEOUT_MS, CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC); CLAUDE_CODE_ATTRIBUTION_HEADER=0
-    drops the per-request `x-anthropic-billing-header` block (ollama/ollama PR #14918 sets it
-    in `ollama launch claude`; musistudio/claude-code-router PR #1220). llama.cpp PR #21793
-    (in this build) normalises only the header's `cch=` field, which Claude Code 2.1.328 no
-    longer sends; its per-task `cc_version` suffix still busts the cache (measured with the real
-    client in notebook 20), so the client-side switch is the fix.
+    """The settings that point Claude Code at `url`, to paste into ~/.claude/settings.json,
+    and the window arithmetic they imply. Printed, never run. The `env` block is `doctor agent`'s
+    (`ops.agents.claude_env`: Claude Code's env-vars reference, code.claude.com/docs/en/env-vars),
+    with the billing header off: CLAUDE_CODE_ATTRIBUTION_HEADER=0 drops the per-request
+    `x-anthropic-billing-header` block (ollama/ollama PR #14918 sets it in `ollama launch
+    claude`; musistudio/claude-code-router PR #1220). llama.cpp PR #21793 (in this build)
+    normalises only the header's `cch=` field, which Claude Code 2.1.328 no longer sends; its
+    per-task `cc_version` suffix still busts the cache (measured with the real client in
+    notebook 20), so the client-side switch is the fix. The answer cap is sized with the window
+    and the pinned agent's first request as `data/agent_shapes.json` measured it
+    (`agent_budget.claude_budget`); `doctor agent` sizes it from the learner's own.
 
     Args:
         url: the server's root.
@@ -293,13 +295,21 @@ def claude_code_settings(url: str, window: int, model: str = "local-model") -> s
             (1,000,000) for a model id it does not know and never compacts in time.
         model: the model name the agent sends.
     """
-    from infercourse.ops.agents import CLAUDE_WINDOW_ENV, HEADER_OFF
-    env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": "local", "ANTHROPIC_API_KEY": "",
-           "ANTHROPIC_MODEL": model, "API_TIMEOUT_MS": "600000", CLAUDE_WINDOW_ENV: str(int(window)),
-           **HEADER_OFF, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
-    return (json.dumps({"env": env}, indent=2) + "\n\n# then check the route, and the window against the agent's "
-            f"first request, before starting the agent:\ninfercourse doctor layers {url} --api anthropic\n"
-            f"infercourse doctor agent {url} --agent claude-code")
+    from infercourse.ops.agent_budget import budget_line, claude_budget
+    from infercourse.ops.agent_doctor import agent_shape
+    from infercourse.ops.agents import claude_env, claude_settings
+    shape = agent_shape("claude-code")
+    first = int(shape["prompt_tokens"])
+    b = claude_budget(first, int(window))
+    lines = [claude_settings(claude_env(url, model, window=int(window), first=first)), "",
+             budget_line(first, int(window), f"Claude Code (first request {first:,} tokens, {shape['source']}) "
+                                             "on this window")]
+    if not b["fits"]:
+        lines.append(f"the smallest window with a usable answer cap and room to grow: {claude_budget(first)['window']:,}"
+                     " tokens a slot")
+    return "\n".join(lines) + ("\n\n# then check the route, and the window against the agent's first request, before "
+                               f"starting the agent:\ninfercourse doctor layers {url} --api anthropic\n"
+                               f"infercourse doctor agent {url} --agent claude-code")
 
 
 def guesses(table: pd.DataFrame, ceiling: float) -> dict[str, tuple[float, float, str, str]]:

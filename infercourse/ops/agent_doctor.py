@@ -33,7 +33,7 @@ import httpx
 
 from infercourse.core.errors import InferCourseError
 from infercourse.measure.workloads import DATA_DIR
-from infercourse.ops.agent_budget import CLAUDE_WINDOW_ENV, budget_line, claude_budget, padded_window
+from infercourse.ops.agent_budget import budget_line, claude_budget, padded_window
 from infercourse.ops.anthropic_probe import post_messages as _messages
 from infercourse.ops.layers import LayerCheck
 from infercourse.ops.prefill_probe import cold_forecast, cold_text, curve_lengths, probe_curve
@@ -278,7 +278,7 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
           served_name: str | None = None) -> str:
     """The settings that fix what the checks found, with values from the probe: Claude
     Code's `env` block, or Codex's provider block."""
-    from infercourse.ops.agents import DUMMY_KEY, HEADER_OFF, claude_settings, codex_config
+    from infercourse.ops.agents import claude_env, claude_settings, codex_config
     n_ctx = settings_window(agent, ev, shape)
     cold = (cold_forecast(int(shape["prompt_tokens"]), ev) or (None,))[0]   # the forecast the checks print
     timeout_s = max(DEFAULT_TIMEOUT_S[agent], 3 * cold) if cold else DEFAULT_TIMEOUT_S[agent]
@@ -286,18 +286,10 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
     if agent == "codex":
         return codex_config(url, name, stream_idle_timeout_ms=int(timeout_s * 1000), stream_max_retries=1,
                             request_max_retries=1, context_window=n_ctx)
-    # a dummy token, or a fresh install asks for a login; every alias (subagents ask for sonnet/opus) -> the model
-    env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": DUMMY_KEY, "ANTHROPIC_MODEL": name,
-           **{f"ANTHROPIC_DEFAULT_{a}_MODEL": name for a in ("HAIKU", "SONNET", "OPUS")},
-           "API_TIMEOUT_MS": int(timeout_s * 1000), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": 1}
-    if any(c.layer == "KV cache" and c.status == "fail" for c in checks):
-        env.update(HEADER_OFF)
-    if n_ctx:
-        # the pinned Claude Code takes its window from CLAUDE_CODE_MAX_CONTEXT_TOKENS (it reads an
-        # AUTO_COMPACT_WINDOW under 100k as 100k); the cap comes with the compaction line (claude_budget)
-        env[CLAUDE_WINDOW_ENV] = n_ctx
-        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = claude_budget(int(shape["prompt_tokens"]), n_ctx)["answer_cap"]
-    return claude_settings(env)
+    # the pinned Claude Code takes its window from CLAUDE_CODE_MAX_CONTEXT_TOKENS (it reads an
+    # AUTO_COMPACT_WINDOW under 100k as 100k); the cap comes with the compaction line (claude_budget)
+    return claude_settings(claude_env(url, name, window=n_ctx, first=int(shape["prompt_tokens"]), timeout_s=timeout_s,
+                                      header_off=any(c.layer == "KV cache" and c.status == "fail" for c in checks)))
 
 
 def _doctor_chat(a: Any) -> int:

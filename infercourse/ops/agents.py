@@ -280,6 +280,35 @@ def claude_settings(env: dict[str, Any]) -> str:
     return json.dumps({"env": {k: str(v) for k, v in env.items()}}, indent=2)
 
 
+def claude_env(url: str, model: str, *, window: int | None = None, first: int | None = None,
+               timeout_s: float = 600.0, header_off: bool = True) -> dict[str, Any]:
+    """Claude Code's `env` block for a local server, the one source of what `doctor agent` and
+    notebook 19 print: a dummy token (without one a fresh install asks for a login), every
+    model alias on `model` (subagents ask for sonnet or opus), the request timeout, no
+    nonessential traffic, the billing header off where `header_off`, and with `window` the
+    window (`CLAUDE_WINDOW_ENV`) and an answer cap sized with it and the agent's `first`
+    request (`claude_budget`: the three set apart put the compaction line on the first request).
+
+    Args:
+        url: the server's root; model: the name it serves.
+        window: the slot's window, or None to leave the agent's own assumption.
+        first: the agent's first request in tokens (a capture's, or `data/agent_shapes.json`'s).
+        timeout_s: API_TIMEOUT_MS in seconds.
+        header_off: drop the per-task billing header (the prefix cache then survives a new task).
+    """
+    env: dict[str, Any] = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": DUMMY_KEY, "ANTHROPIC_MODEL": model,
+                           **{f"ANTHROPIC_DEFAULT_{a}_MODEL": model for a in ("HAIKU", "SONNET", "OPUS")},
+                           "API_TIMEOUT_MS": int(timeout_s * 1000), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC":
+                           QUIET_ENV["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"]}
+    if header_off:
+        env.update(HEADER_OFF)
+    if window:
+        env[CLAUDE_WINDOW_ENV] = window
+        if first is not None:
+            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = claude_budget(int(first), window)["answer_cap"]
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["install"]:
