@@ -38,7 +38,8 @@ from infercourse.ops.anthropic_probe import cache_buster_check, tool_check
 from infercourse.ops.faults import FAULTS, run_fault
 
 __all__ = ["SYMPTOMS", "AGENT_FAILURES", "rows", "DIFFERS", "MEASURED", "SymptomRow", "reproduce", "context_growth",
-           "cpu_contention", "blank_sheet", "cheatsheet_markdown", "growth_lengths", "prefill_only_ratio", "ttft_ms", "detect_seconds"]
+           "cpu_contention", "blank_sheet", "cheatsheet_markdown", "growth_lengths", "prefill_only_ratio", "ttft_ms",
+           "detect_seconds"]
 
 # symptom -> (the guide's suspect layers, in its order; how it is reproduced here)
 SYMPTOMS = {
