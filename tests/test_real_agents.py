@@ -1020,6 +1020,27 @@ def test_the_ledger_counts_a_prefill_the_client_gave_up_on(tmp_path, monkeypatch
     assert led.loc["retry", "big_prefills"] == 1 and led.loc["retry", "evaluated_tokens"] == 6606
 
 
+def test_the_ledger_keeps_a_run_that_made_no_call(tmp_path, monkeypatch):
+    """A lab run whose agent never reached the server (or one still starting) has no calls and no
+    task times: the ledger lists it with none, and keeps the runs before it (it raised a
+    TypeError on 2026-12-06, read while notebook 20's told session was starting)."""
+    import os
+    for k, name in enumerate(("main", "session-told")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+        os.utime(tmp_path / name / "manifest.json", (1000 + k, 1000 + k))
+    (tmp_path / "main" / "tasks.jsonl").write_text(json.dumps({"task": "t", "wall_s": 5.0}) + "\n")
+    calls = {"main": pd.DataFrame({"api": ["anthropic"], "task": ["t"], "evaluated_tokens": [12000]}),
+             "session-told": pd.DataFrame()}
+    monkeypatch.setattr(rs, "calls_table", lambda d: calls[Path(d).name])
+    led = rs.prefill_ledger(tmp_path)
+    assert list(led.index) == ["main", "session-told"]
+    assert led.loc["main", "big_prefills"] == 1 and led.loc["main", "evaluated_tokens"] == 12000
+    assert led.loc["session-told", "model_calls"] == 0 and led.loc["session-told", "big_prefills"] == 0
+    assert pd.isna(led.loc["session-told", "evaluated_tokens"]) and pd.isna(led.loc["session-told", "wall_s"])
+    assert "The 2 lab runs sent 1 model calls" in rc.ledger_sentence(led)
+
+
 def test_the_forcer_asks_the_first_call_for_one_tool_and_says_so():
     """Issue 33 §1: the lab option that forces a tool round trip changes one call per task, the
     first that offers the tool, and tags it; Anthropic and OpenAI bodies get their own shapes."""

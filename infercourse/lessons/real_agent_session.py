@@ -191,6 +191,11 @@ def rewrite_table(replays: dict[str, pd.DataFrame]) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index(["replay", "rewrite"])
 
 
+def _numbers(table: pd.DataFrame, column: str) -> pd.Series:
+    """`table[column]` as numbers; an empty series where a run has no such column (no calls yet)."""
+    return pd.to_numeric(table[column], errors="coerce") if column in table else pd.Series(dtype=float)
+
+
 def prefill_ledger(root: str | Path, least: int = 1000) -> pd.DataFrame:
     """One row per lab run under `root` (a notebook's results folder), in the order they ran:
     model calls, the calls that made the server evaluate at least `least` prompt tokens
@@ -205,12 +210,12 @@ def prefill_ledger(root: str | Path, least: int = 1000) -> pd.DataFrame:
     for d in (m.parent for m in sorted(Path(root).glob("*/manifest.json"), key=lambda m: m.stat().st_mtime)):
         calls, tasks = calls_table(d), tasks_table(d)
         gen = calls[calls["api"].isin(GENERATING_APIS)] if "api" in calls else calls.iloc[:0]
-        ev = pd.to_numeric(gen.get("evaluated_tokens"), errors="coerce")
+        ev = _numbers(gen, "evaluated_tokens")
         gap = pd.Series(dtype=float)
         if "task" in gen and "evaluated_tokens" in tasks:      # the tasks' counters beyond their calls' counts
             counter = pd.to_numeric(tasks.set_index("task")["evaluated_tokens"], errors="coerce")
             gap = (counter - ev.groupby(gen["task"]).sum().reindex(counter.index).fillna(0)).clip(lower=0)
         rows.append({"run": d.name, "model_calls": len(gen), "big_prefills": int((ev >= least).sum() + (gap >= least).sum()),
                      "evaluated_tokens": pd.concat([ev, gap]).sum(min_count=1),
-                     "wall_s": pd.to_numeric(tasks.get("wall_s"), errors="coerce").sum(min_count=1)})
+                     "wall_s": _numbers(tasks, "wall_s").sum(min_count=1)})
     return pd.DataFrame(rows, columns=["run", "model_calls", "big_prefills", "evaluated_tokens", "wall_s"]).set_index("run")
