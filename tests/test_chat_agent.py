@@ -206,6 +206,30 @@ def test_chat_fixes_are_computed_from_the_probe():
     assert "wait at least 330 s" in timed      # 3 x the cold prefill of 11,000 tokens at 100 tok/s
 
 
+def test_the_fresh_server_doctor_sizes_its_checks_by_the_run_it_is_told(monkeypatch):
+    """Notebook 20 ran the chat agent at full size (11,323 tokens, refused by the 8,192-token
+    server) and fed the doctor the small side-call run (753 tokens): the doctor said "[ok] first
+    request 753 of 8192" under a table of refusals (2026-12-06). `first_from` sizes the checks by
+    the run at the learner's size; `capture` still gives the side calls."""
+    import contextlib
+    import infercourse.servers as servers
+    shapes = {"side": {**SHAPE, "first_request": {**SHAPE["first_request"], "prompt_tokens": 753}},
+              "full": {**SHAPE, "first_request": {**SHAPE["first_request"], "prompt_tokens": 11323},
+                       "side_calls": {"per_task": 0.0, "prompt_tokens": None}}}
+    monkeypatch.setattr(chat_doctor, "chat_shape", lambda agent, capture: shapes[str(capture)])
+    monkeypatch.setattr(chat_doctor, "probe_chat_route", lambda url: {**_ev(after=596), "n_ctx_slot": 8192})
+
+    @contextlib.contextmanager
+    def fake_server(*a, **kw):
+        yield type("S", (), {"url": "http://127.0.0.1:9"})()
+    monkeypatch.setattr(servers, "LlamaServer", fake_server)
+    small = chat_doctor.doctor_on_fresh_server(8192, "stand-in-chat", "side", extend=False)
+    full = chat_doctor.doctor_on_fresh_server(8192, "stand-in-chat", "side", extend=False, first_from="full")
+    assert "first request 753 of 8192" in small and "[fail] context" not in small
+    assert "[fail] context" in full and "11323" in full and "753" not in full.split("settings")[0]
+    assert "this agent sends 1 per task" in full       # the side calls still come from `capture`
+
+
 def test_doctor_agent_chat_refuses_a_remote_url_before_any_traffic(capsys):
     from infercourse.__main__ import main
     with pytest.raises(SystemExit) as e:
@@ -295,6 +319,20 @@ def test_doctor_agent_chat_on_a_real_server(side_runs, capsys):
     assert rc == 1 and "[fail] KV cache" in out and "evicts the main prefix" in out
     assert "--cache-ram" in out and "-np 2 -c 4096" in out
     assert re.search(r"evaluated tokens per probe call: main \d+, main again \d+, side \d+", out)
+
+
+@pytest.mark.slow
+def test_the_chat_probe_reads_the_trained_context_so_the_fix_extends_past_it():
+    """Notebook 20's chat doctor, fed the agent's 11,323-token first request on an 8,192-token
+    server, printed "-c 12544 -np 1" alone (2026-12-06): its probe never read the trained
+    context, so the fix carried no YaRN flags where the Claude Code doctor's did."""
+    from infercourse.servers import LlamaServer
+    with LlamaServer(n_parallel=1, ctx_size=1024, threads=1, jinja=True, cache_ram_mib=0) as srv:
+        ev = chat_doctor.probe_chat_route(srv.url, probe_tokens=64, side_tokens=16)
+    assert ev["arch"] == "llama" and ev["n_ctx_train"] == 8192 and ev["trained_from"] == "its model file"
+    shape = {**SHAPE, "first_request": {**SHAPE["first_request"], "prompt_tokens": 11323}}
+    text = chat_doctor.chat_fixes(ev, shape, chat_doctor.grade_chat_route(ev, shape), None)
+    assert "--rope-scaling yarn" in text and "--yarn-orig-ctx 8192" in text and "past the 8,192 tokens" in text
 
 
 def test_skip_reason_names_the_namespace_or_the_program(monkeypatch):

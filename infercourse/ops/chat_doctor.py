@@ -136,6 +136,8 @@ def probe_chat_route(url: str, *, probe_tokens: int = 512, side_tokens: int = 12
     served = httpx.get(url + "/v1/models", timeout=10)
     data = served.json().get("data", []) if served.status_code == 200 else []
     ev["served_models"] = [m.get("id") for m in data]
+    from infercourse.ops.agent_lab import served_trained_context   # the server fix extends past it
+    ev["arch"], ev["n_ctx_train"], ev["trained_from"] = served_trained_context(p, data)
     if ev["n_ctx_slot"]:   # the probe must fit the window it measures
         probe_tokens, side_tokens = min(probe_tokens, ev["n_ctx_slot"] // 3), min(side_tokens, ev["n_ctx_slot"] // 8)
     tag = uuid.uuid4().hex   # new every probe: the first main call is cold
@@ -322,16 +324,20 @@ def chat_report(ev: dict[str, Any], shape: dict[str, Any], checks: list[LayerChe
 
 def doctor_on_fresh_server(ctx: int, spec: str | dict = "qwen-code", capture: str | Path | None = None, *,
                            cache_ram_mib: int | None = 0, slots: int = 1, threads: int | None = 1,
-                           model: str | None = None, extend: bool = True) -> str:
+                           model: str | None = None, extend: bool = True, first_from: str | Path | None = None) -> str:
     """`doctor agent --agent chat` against a fresh llama-server of `ctx` tokens a slot (the
     course's tools template; `cache_ram_mib` 0: no host prompt cache, the server a side call
-    evicts), with `capture`'s calls (a lab run) or the shipped shape; returns what it printed."""
+    evicts), with `capture`'s calls (a lab run) or the shipped shape; returns what it printed.
+    `first_from`: a lab run whose first request sizes the checks instead (the agent at the size
+    the learner runs it, where `capture` is a smaller run kept for its side calls)."""
     from infercourse.measure.workloads import DATA_DIR
     from infercourse.ops import chat_agent
     from infercourse.ops.agent_lab import extend_flags
     from infercourse.servers import LlamaServer
     s = chat_agent.load_spec(spec)
     shape = {**chat_shape(s["name"], capture), "timeout_s": s.get("timeout_s"), "timeout_note": s.get("timeout_note")}
+    if first_from is not None:
+        shape["first_request"] = chat_shape(s["name"], first_from)["first_request"]
     extra = ["--chat-template-file", str(DATA_DIR / "chatml_tools.jinja"), *(extend_flags(ctx, model) if extend else [])]
     with LlamaServer(model, n_parallel=slots, ctx_size=ctx * slots, threads=threads, jinja=True,
                      cache_ram_mib=cache_ram_mib, extra_args=extra) as srv:
