@@ -446,6 +446,7 @@ def test_cold_warm_sentence_flips_with_the_aa_spread():
     tab = _tab(cold={**base, "ttft_s": 20.0}, warm={**base, "ttft_s": 1.0}, again={**base, "ttft_s": 1.1})
     s = rc.cold_warm_sentence(tab, "cold", "warm", "again")
     assert _says(s, "beyond it") and _says(s, "20x faster warm")
+    assert "The cold call evaluated 1,000 prompt tokens" in s and "again evaluated 1,000 and waited" in s
     close = _tab(cold={**base, "ttft_s": 1.2}, warm={**base, "ttft_s": 1.0}, again={**base, "ttft_s": 1.5})
     s = rc.cold_warm_sentence(close, "cold", "warm", "again")
     assert _says(s, "within it") and not _says(s, "faster") and not _says(s, "slower")
@@ -466,6 +467,7 @@ def test_header_sentence_flips():
     on = dict(evaluated_tokens=900, prompt_tokens=1000, first_diff="system 0")
     off = dict(evaluated_tokens=20, prompt_tokens=1000, first_diff="message 0 (user)")
     assert _says(rc.header_sentence(_tab(on=on, off=off), "on", "off"), "More with the header on")
+    assert "evaluated 900 of its 1,000 prompt tokens (90%)" in rc.header_sentence(_tab(on=on, off=off), "on", "off")
     assert _says(rc.header_sentence(_tab(on=off, off=on), "on", "off"), "Fewer with the header on")
     same = rc.header_sentence(_tab(on=on, off=dict(off, evaluated_tokens=900)), "on", "off")
     assert _says(same, "As many with the header on as off") and not re.search(r"\b(More|Fewer)\b", same)
@@ -642,6 +644,7 @@ def test_amplification_counts_identical_resends_of_the_first_request(tmp_path, m
     s = rc.amplification_sentence(tab, "short", "long")
     assert "short timeout the agent sent 3 copies of its first request, 1 answered" in s and "(3.0x)" in s
     assert "long one it sent its first request once (no retry)" in s and "(1.0x)" in s
+    assert "the server evaluated 3,000 prompt tokens for a request of 1,000 (3.0x)" in s   # as every other sentence
     flipped = rc.amplification_sentence(tab, "long", "short")      # the numbers the other way round
     assert "short timeout the agent sent its first request once (no retry)" in flipped
     assert "long one it sent 3 copies of its first request" in flipped
@@ -1206,7 +1209,7 @@ def test_clip_sentence_reports_the_agents_escalation_and_flips_when_nothing_was_
     s = rc.clip_sentence(clipped, "prompt_too_long: Prompt is too long")
     assert "stopped its answer at 469 tokens" in s and "all the room its 1,536-token window left" in s
     assert "Then 3 more call(s)" in s and "1 with max_tokens raised to 128,000" in s
-    assert "3 refused by the server for size (requests of 1,587 to 2,694 tokens" in s and "1 sent again unchanged" in s
+    assert "3 refused by the server for size (requests of 1,587 to 2,694 tokens" in s and "1 sent again with the same prompt" in s
     assert "1 starting from another system prompt" in s and s.endswith("in the agent's words: prompt_too_long.")
     ended = pd.DataFrame([["t", "ok", 32000, 1067.0, 120, "end_turn", "first call", None]], columns=cols)
     s = rc.clip_sentence(ended, "completed")

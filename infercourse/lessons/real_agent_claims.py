@@ -70,8 +70,8 @@ def cold_warm_sentence(tab: pd.DataFrame, cold: str, warm: str, again: str) -> s
     beyond = ratio > 1 + aa or ratio < 1 / (1 + aa)
     how = (f"a cold/warm ratio of {ratio:.2f}" if not beyond else
            f"{_fold(ratio)} faster warm" if ratio > 1 else f"{_fold(ratio)} slower warm")
-    return (f"The cold call evaluated {c['evaluated_tokens']:.0f} prompt tokens and waited {c['ttft_s']:.2f} s "
-            f"for its first token; the same task again evaluated {w['evaluated_tokens']:.0f} and waited "
+    return (f"The cold call evaluated {c['evaluated_tokens']:,.0f} prompt tokens and waited {c['ttft_s']:.2f} s "
+            f"for its first token; the same task again evaluated {w['evaluated_tokens']:,.0f} and waited "
             f"{w['ttft_s']:.2f} s ({how}). The two warm runs differ by {aa:.0%} (one A/A pair: a range, not an "
             "interval); the cold/warm ratio is "
             + ("beyond it." if beyond else "within it: this run cannot tell them apart."))
@@ -84,8 +84,8 @@ def header_sentence(tab: pd.DataFrame, on: str, off: str) -> str:
 
     def of(r) -> str:
         if pd.isna(r["prompt_tokens"]):   # a usage block without input tokens: said, not guessed
-            return f"{r['evaluated_tokens']:.0f} prompt tokens (the server's usage gave no prompt size)"
-        return (f"{r['evaluated_tokens']:.0f} of its {r['prompt_tokens']:.0f} prompt tokens "
+            return f"{r['evaluated_tokens']:,.0f} prompt tokens (the server's usage gave no prompt size)"
+        return (f"{r['evaluated_tokens']:,.0f} of its {r['prompt_tokens']:,.0f} prompt tokens "
                 f"({r['evaluated_tokens'] / r['prompt_tokens']:.0%})")
     ea, eb = a["evaluated_tokens"], b["evaluated_tokens"]
     verdict = ("More with the header on." if ea > eb else "Fewer with the header on." if ea < eb else
@@ -105,10 +105,10 @@ def amplification_sentence(tab: pd.DataFrame, short: str, fixed: str) -> str:
     request's size came from; where none did, that no ratio was computed)."""
     def one(r) -> str:
         retried = f"{r['copies']:.0f} copies of its first request" if r["copies"] > 1 else "its first request once (no retry)"
-        said = f"sent {retried}, {r['answered']:.0f} answered; the server evaluated {r['server_evaluated']:.0f} prompt tokens"
+        said = f"sent {retried}, {r['answered']:.0f} answered; the server evaluated {r['server_evaluated']:,.0f} prompt tokens"
         if pd.isna(r["amplification"]):
             return said + " (no request size or no evaluated count: no amplification computed)"
-        return (f"{said} for a request of {r['request_tokens']:.0f}{_SIZE_FROM.get(r.get('size_from'), '')} "
+        return (f"{said} for a request of {r['request_tokens']:,.0f}{_SIZE_FROM.get(r.get('size_from'), '')} "
                 f"({r['amplification']:.1f}x)")
     return f"With the short timeout the agent {one(tab.loc[short])}. With the long one it {one(tab.loc[fixed])}."
 
@@ -116,8 +116,8 @@ def amplification_sentence(tab: pd.DataFrame, short: str, fixed: str) -> str:
 def clip_sentence(view: pd.DataFrame, said: str) -> str:
     """What the agent did once the server clipped its answer, read from `real_agent.clip_view`:
     where the first answer stopped against the room the window left, then each later call as the
-    table shows it (max_tokens raised, refused for size, sent again unchanged, another system
-    prompt), and the task's end in the agent's own words (`said`, its `agent_said`)."""
+    table shows it (max_tokens raised, refused for size, the same prompt sent again (its max_tokens
+    may differ: the prompt is what the capture compares), another system prompt), and the task's end in the agent's own words (`said`, its `agent_said`)."""
     first, rest = view.iloc[0], view.iloc[1:]
     windows = view["error"].map(refused_window).dropna()
     window = int(windows.iloc[0]) if len(windows) else None
@@ -137,7 +137,7 @@ def clip_sentence(view: pd.DataFrame, said: str) -> str:
                    (len(sizes) if window else 0, f"refused by the server for size (requests of {sizes.min():,.0f} to "
                                                  f"{sizes.max():,.0f} tokens against its {window or 0:,}-token window)"),
                    (int((rest["status"] == "ok").sum()), "answered"),
-                   (int((rest["first_diff"] == "identical").sum()), "sent again unchanged right after the one before"),
+                   (int((rest["first_diff"] == "identical").sum()), "sent again with the same prompt right after the one before"),
                    (int((rest["first_diff"] == "system 0").sum()),
                     "starting from another system prompt (first difference at system 0)")]
         line += f". Then {len(rest)} more call(s): " + "; ".join(f"{n} {what}" for n, what in counted if n)
