@@ -347,6 +347,24 @@ def test_the_cold_prefill_forecast_follows_the_fitted_curve_not_one_rate():
     assert line.status == "warn" and "about 20 s of prefill" in line.summary
 
 
+def test_the_doctor_prints_its_forecast_beside_the_cold_call_the_run_measured(monkeypatch):
+    """Notebook 20 (2026-12-06): the doctor on the 32,768-token server forecast 72 s for the
+    12,394-token first request, two cells after the run measured 102.6 s on a server of that size,
+    and said nothing of it. The line puts the run's cold call beside the same fit's forecast."""
+    import infercourse.ops.agent_lab as agent_lab
+    from infercourse.ops.prefill_probe import forecast_against_capture
+    pts = [(n, 0.05 + n / 1000 + n * n / 1e7) for n in (512, 1024, 2048)]     # 10,000 tokens: 20.05 s
+    calls = pd.DataFrame({"status": ["error", "ok", "ok"], "cached_tokens": [None, 0, 9999],
+                          "prompt_tokens": [None, 10_000, 10_000], "ttft_s": [None, 40.1, 0.2]})
+    monkeypatch.setattr(agent_lab, "calls_table", lambda capture: calls)
+    line, = forecast_against_capture({"prefill_points": pts}, "run")
+    assert "its cold call of 10,000 tokens waited 40.1 s" in line and "forecast 20 s for it (0.50x)" in line
+    monkeypatch.setattr(agent_lab, "calls_table", lambda capture: calls.iloc[[0, 2]])    # nothing cold answered
+    assert forecast_against_capture({"prefill_points": pts}, "run") == []
+    monkeypatch.setattr(agent_lab, "calls_table", lambda capture: calls)
+    assert forecast_against_capture({}, "run") == []                                    # the probe gave no rate
+
+
 def test_doctor_fixes_follow_the_findings():
     checks = agent_doctor.grade_agent_route({**GOOD, "header_cached_tokens": 20}, SHAPE)
     env = json.loads(agent_doctor.fixes("claude-code", "http://127.0.0.1:8", GOOD, SHAPE, checks))["env"]

@@ -337,6 +337,7 @@ def doctor_on_fresh_server(ctx: int, capture: str | Path, *, threads: int = 1, m
     settings it prints."""
     from infercourse.measure.workloads import DATA_DIR
     from infercourse.ops.agent_doctor import agent_shape, grade_agent_route, probe_agent_route, report
+    from infercourse.ops.prefill_probe import forecast_against_capture
     from infercourse.servers import LlamaServer
     extra = ["--chat-template-file", str(DATA_DIR / "chatml_tools.jinja"), "--alias", "smollm2-135m",
              *extend_flags(ctx, model)]
@@ -346,4 +347,4 @@ def doctor_on_fresh_server(ctx: int, capture: str | Path, *, threads: int = 1, m
         checks = grade_agent_route(ev, shape)
         lines = [f"doctor agent {srv.url} --agent {agent}   (llama-server -c {ctx}; first request "
                  f"{shape['prompt_tokens']} tokens, from this run's capture)"]
-        return "\n".join(lines + [report(agent, srv.url, ev, shape, checks)])
+        return "\n".join(lines + [report(agent, srv.url, ev, shape, checks), *forecast_against_capture(ev, capture)])

@@ -15,13 +15,14 @@ falls back to the short probe's rate and says it is a lower bound. Pure except
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from infercourse.measure.prefill_curve import fit_prefill, predict_prefill_s
 
-__all__ = ["cold_text", "curve_lengths", "probe_curve", "cold_forecast"]
+__all__ = ["cold_text", "curve_lengths", "probe_curve", "cold_forecast", "forecast_against_capture"]
 
 _TEXT = "The quick brown fox reads the build log, edits one file and runs the tests again. "
 
@@ -72,3 +73,21 @@ def cold_forecast(first: int, ev: dict[str, Any]) -> tuple[float, str] | None:
         return first / rate, (f"{first} tokens at the short probe's {rate:.0f} tok/s: a lower bound, the rate "
                               "falls as the prompt grows")
     return None
+
+
+def forecast_against_capture(ev: dict[str, Any], capture: str | Path) -> list[str]:
+    """The forecast beside what a lab run measured: the capture's first answered call that found
+    nothing cached (its prompt tokens, its seconds to first token) and what the same fit forecasts
+    for that many tokens. One line, or none where the capture holds no such call or the probe no rate.
+    The measured call ran on the lab's own server (the same model and machine; its window may differ)."""
+    from infercourse.ops.agent_lab import calls_table
+    calls = calls_table(capture)
+    if not {"status", "cached_tokens", "prompt_tokens", "ttft_s"} <= set(calls):
+        return []
+    cold = calls[(calls["status"] == "ok") & (calls["cached_tokens"] == 0) & calls["ttft_s"].notna()]
+    fc = cold_forecast(int(cold["prompt_tokens"].iloc[0]), ev) if len(cold) else None
+    if not fc:
+        return []
+    n, s = int(cold["prompt_tokens"].iloc[0]), float(cold["ttft_s"].iloc[0])
+    return [f"forecast against this run's capture: its cold call of {n:,} tokens waited {s:.1f} s for its first token "
+            f"on the lab's server; the probes above forecast {fc[0]:.0f} s for it ({fc[0] / s:.2f}x)"]
