@@ -1227,7 +1227,8 @@ def test_clip_sentence_reports_the_agents_escalation_and_flips_when_nothing_was_
     s = rc.clip_sentence(clipped, "prompt_too_long: Prompt is too long")
     assert "stopped its answer at 469 tokens" in s and "all the room its 1,536-token window left" in s
     assert "Then 3 more call(s)" in s and "1 with max_tokens raised to 128,000" in s
-    assert "3 refused by the server for size (requests of 1,587 to 2,694 tokens" in s and "1 sent again with the same prompt" in s
+    assert "3 refused by the server for size (requests of 1,587 to 2,694 tokens" in s
+    assert "1 sent again with the same prompt" in s
     assert "1 starting from another system prompt" in s and s.endswith("in the agent's words: prompt_too_long.")
     ended = pd.DataFrame([["t", "ok", 32000, 1067.0, 120, "end_turn", "first call", None]], columns=cols)
     s = rc.clip_sentence(ended, "completed")

@@ -105,7 +105,8 @@ def amplification_sentence(tab: pd.DataFrame, short: str, fixed: str) -> str:
     request's size came from; where none did, that no ratio was computed)."""
     def one(r) -> str:
         retried = f"{r['copies']:.0f} copies of its first request" if r["copies"] > 1 else "its first request once (no retry)"
-        said = f"sent {retried}, {r['answered']:.0f} answered; the server evaluated {r['server_evaluated']:,.0f} prompt tokens"
+        said = (f"sent {retried}, {r['answered']:.0f} answered; the server evaluated {r['server_evaluated']:,.0f} "
+                "prompt tokens")
         if pd.isna(r["amplification"]):
             return said + " (no request size or no evaluated count: no amplification computed)"
         return (f"{said} for a request of {r['request_tokens']:,.0f}{_SIZE_FROM.get(r.get('size_from'), '')} "
@@ -117,7 +118,8 @@ def clip_sentence(view: pd.DataFrame, said: str) -> str:
     """What the agent did once the server clipped its answer, read from `real_agent.clip_view`:
     where the first answer stopped against the room the window left, then each later call as the
     table shows it (max_tokens raised, refused for size, the same prompt sent again (its max_tokens
-    may differ: the prompt is what the capture compares), another system prompt), and the task's end in the agent's own words (`said`, its `agent_said`)."""
+    may differ: the prompt is what the capture compares), another system prompt), and the task's
+    end in the agent's own words (`said`, its `agent_said`)."""
     first, rest = view.iloc[0], view.iloc[1:]
     windows = view["error"].map(refused_window).dropna()
     window = int(windows.iloc[0]) if len(windows) else None
@@ -137,7 +139,8 @@ def clip_sentence(view: pd.DataFrame, said: str) -> str:
                    (len(sizes) if window else 0, f"refused by the server for size (requests of {sizes.min():,.0f} to "
                                                  f"{sizes.max():,.0f} tokens against its {window or 0:,}-token window)"),
                    (int((rest["status"] == "ok").sum()), "answered"),
-                   (int((rest["first_diff"] == "identical").sum()), "sent again with the same prompt right after the one before"),
+                   (int((rest["first_diff"] == "identical").sum()),
+                    "sent again with the same prompt right after the one before"),
                    (int((rest["first_diff"] == "system 0").sum()),
                     "starting from another system prompt (first difference at system 0)")]
         line += f". Then {len(rest)} more call(s): " + "; ".join(f"{n} {what}" for n, what in counted if n)

@@ -85,9 +85,11 @@ def forecast_against_capture(ev: dict[str, Any], capture: str | Path) -> list[st
     if not {"status", "cached_tokens", "prompt_tokens", "ttft_s"} <= set(calls):
         return []
     cold = calls[(calls["status"] == "ok") & (calls["cached_tokens"] == 0) & calls["ttft_s"].notna()]
-    fc = cold_forecast(int(cold["prompt_tokens"].iloc[0]), ev) if len(cold) else None
-    if not fc:
+    if not len(cold):
         return []
     n, s = int(cold["prompt_tokens"].iloc[0]), float(cold["ttft_s"].iloc[0])
+    fc = cold_forecast(n, ev)
+    if not fc:
+        return []
     return [f"forecast against this run's capture: its cold call of {n:,} tokens waited {s:.1f} s for its first token "
             f"on the lab's server; the probes above forecast {fc[0]:.0f} s for it ({fc[0] / s:.2f}x)"]
