@@ -22,7 +22,7 @@ from infercourse.core.errors import AgentLayerError
 from infercourse.lessons import real_agent as ra
 from infercourse.lessons import real_agent_claims as rc
 from infercourse.lessons import real_agent_session as rs
-from infercourse.ops import agent_doctor, agents, chat_agent, chat_doctor, netns
+from infercourse.ops import agent_doctor, agent_growth, agents, chat_agent, chat_doctor, netns
 from infercourse.ops.agent_anatomy import first_difference, parts
 from infercourse.ops.agent_capture import SSEWatcher, api_of
 from infercourse.ops.agent_lab import LabSpec, Task, calls_table, run_lab, tasks_table
@@ -501,7 +501,7 @@ def test_claude_window_limits_follow_the_pinned_arithmetic():
 
 
 def test_compaction_plan_sizes_the_window_and_its_sentence_flips(monkeypatch):
-    monkeypatch.setattr(ra, "session_pastes", lambda turns, n: ["w " * n] * turns)
+    monkeypatch.setattr(agent_growth, "session_pastes", lambda turns, n, last=None: ["w " * n] * turns)
     up = lambda n: -(-n // 256) * 256   # noqa: E731 - the server's cache steps
     big = ra.compaction_plan(800, 6, 4000, max_output=64, growth_pastes=1.0, count=words)
     # the window is sized from the line: first turn + growth, plus the agent's reserves
@@ -526,8 +526,37 @@ def test_compaction_plan_sizes_the_window_and_its_sentence_flips(monkeypatch):
     assert f"(about {(every_second['compacts_above'] - 2800) / 2000:.1f} pastes)" in rc.plan_sentence(every_second)
 
 
-def _session_run(monkeypatch, message_tokens, prompts, errors, tasks, diffs=None):
-    """A synthetic lab folder's tables, for `session_view`: 500 tokens of tools, then one message;
+def test_the_last_paste_outgrows_the_window_as_is_and_fits_the_told_agent_after_a_compaction(monkeypatch):
+    # issue 33 (pace): grown in equal pastes, the session as is paid every turn past the told line and the
+    # agent's 13,000-token buffer at the far end of the window; the last paste now takes it past the window
+    def pastes(turns, n, last=None):
+        return ["w " * n] * (turns - 1) + ["w " * (n if last is None else last)]
+    monkeypatch.setattr(agent_growth, "session_pastes", pastes)
+    plan = ra.compaction_plan(1000, 6, 1300, max_output=64, growth_pastes=2.0, outgrow=True, count=words)
+    before = 1000 + 5 * 1300
+    assert plan["last_paste_tokens"] == plan["last_words"] == plan["window"] - before + 650
+    assert plan["last_turn"] == before + plan["last_paste_tokens"] > plan["window"]
+    assert plan["told_last"] == 1000 + plan["last_paste_tokens"] < plan["refuses_above"]
+    s = rc.plan_sentence(plan)
+    assert "outgrows the server in its last turn" in s and f"the last {plan['last_paste_tokens']:,} at once" in s
+    assert f"{plan['refuses_above'] - plan['told_last']:,} under its refuse line" in s
+    assert "cannot send that turn either" in rc.plan_sentence({**plan, "refuses_above": plan["told_last"] - 1})
+    same = ra.compaction_plan(1000, 6, 1300, max_output=64, growth_pastes=2.0, count=words)
+    assert "last_paste_tokens" not in same and same["last_turn"] == 1000 + 6 * 1300 < plan["last_turn"]
+    assert "at once" not in rc.plan_sentence(same)
+
+
+def test_session_pastes_read_on_and_the_last_paste_can_be_longer():
+    normal, longer = agent_growth.session_pastes(3, 50), agent_growth.session_pastes(3, 50, 400)
+    assert [len(p.split()) for p in normal] == [50, 50, 50] and [len(p.split()) for p in longer] == [50, 50, 400]
+    assert longer[:2] == normal[:2] and longer[2].startswith(normal[2])
+    n, tokens = agent_growth.last_paste_words(3, 50, 300, words)
+    assert n == tokens == 300
+
+
+def _session_run(monkeypatch, message_tokens, prompts, errors, tasks, diffs=None, messages=None):
+    """A synthetic lab folder's tables, for `session_view`: 500 tokens of tools, then one message
+    (or `messages`: each call's messages, their tokens);
     each call's first difference (part, tokens kept before it) from `diffs`, or: a call whose
     messages shrink replaced the first message (a rewrite), any other appended to the history."""
     n = len(prompts)
@@ -543,9 +572,27 @@ def _session_run(monkeypatch, message_tokens, prompts, errors, tasks, diffs=None
                           "assumed_context_window": [{"m": 1_000_000}] * len(tasks), "query_sources": [["sdk"]] * len(tasks)})
     monkeypatch.setattr(rs, "tasks_table", lambda out: turns)
     monkeypatch.setattr(rs, "anatomy", lambda out: [
-        {"request_id": i, "parts": [{"kind": "tool", "tokens": 500}, {"kind": "message", "tokens": m}]}
+        {"request_id": i, "parts": [{"kind": "tool", "tokens": 500}]
+         + [{"kind": "message", "tokens": t} for t in (messages[i] if messages else [m])]}
         for i, m in enumerate(message_tokens)])
     return rs.session_view("unused")
+
+
+def test_a_rewrite_that_adds_a_long_paste_is_one_and_a_summary_request_after_a_refused_paste_is_not(monkeypatch):
+    # issue 33 (pace): the session's last turn pastes a long file. As is, the server refuses it; the agent's
+    # summary request drops that paste (most of the refused call's messages) and keeps the history: not a
+    # rewrite (it counted as one). Told, the call from the summary adds the paste, so its messages grow:
+    # it is a rewrite (it was missed)
+    refusal = "request (12600 tokens) exceeds the available context size (9000 tokens), try increasing it"
+    as_is = _session_run(monkeypatch, [4000, 12000, 5400, 8300], [4500, None, 5900, 8800], [None, refusal, None, None],
+                         [("t0", 1), ("t1", 3)], messages=[[4000], [4000, 8000], [4000, 1400], [300, 8000]],
+                         diffs=[("first call", 0), ("message 1 (user)", 4500), ("message 1 (user)", 4500),
+                                ("message 0 (user)", 500)])
+    assert list(as_is["rewrote_history"]) == [False, False, False, True]
+    told = _session_run(monkeypatch, [4000, 5400, 8300], [4500, 5900, 8800], [None] * 3, [("t0", 1), ("t1", 2)],
+                        messages=[[4000], [4000, 1400], [300, 8000]],
+                        diffs=[("first call", 0), ("message 1 (user)", 4500), ("message 0 (user)", 500)])
+    assert list(told["rewrote_history"]) == [False, False, True]
 
 
 def _two_sessions(monkeypatch):

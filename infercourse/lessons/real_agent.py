@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ import pandas as pd
 from infercourse.ops import agents
 from infercourse.ops.agent_anatomy import embedded_counter, padded_prompt
 from infercourse.ops.agent_budget import WINDOW_PAD, padded_window
+from infercourse.ops.agent_growth import compaction_plan, session_pastes
 from infercourse.ops.agent_capture import GENERATING_APIS
 from infercourse.ops.agents import HEADER_OFF, readiness, skip_reason
 from infercourse.ops.agent_lab import (EXTEND_CONTEXT, LabSpec, Task, anatomy, calls_table, extend_flags, refused_size,
@@ -269,45 +269,14 @@ def _copy_size(out: str | Path, copies: pd.DataFrame) -> tuple[float, str | None
     return (float(body[0]), "request body") if body else (float("nan"), None)
 
 
-def session_pastes(turns: int, paste_words: int) -> list[str]:
-    """What each turn of the growing session pastes: `paste_words` words of the course's
-    evaluation text, read in a cycle (a long paste is longer than the text), each turn going
-    on where the one before stopped."""
-    from infercourse.measure.workloads import eval_text
-    words = eval_text().split()
-    return [" ".join(words[(k * paste_words + i) % len(words)] for i in range(paste_words)) for k in range(turns)]
-
-
 def growing_session(size: str, turns: int, paste_words: int, env: dict[str, str], timeout_s: float,
-                    **kw: Any) -> list[Task]:
-    """One Claude Code session of `turns` tasks (`--continue`), each pasting `session_pastes`:
-    the history grows by one paste (and an answer) every turn; `kw`: Task fields (answer_stop)."""
+                    last_words: int | None = None, **kw: Any) -> list[Task]:
+    """One Claude Code session of `turns` tasks (`--continue`), each pasting `session_pastes`
+    (the last `last_words` where given: `compaction_plan`'s outgrow): the history grows by one
+    paste (and an answer) every turn; `kw`: Task fields (answer_stop)."""
+    pastes = session_pastes(turns, paste_words, last_words)
     return [claude_task(f"turn {k}", f"Note {k}:\n{paste}\nSay OK.", size, env=env, timeout_s=timeout_s,
-                        session="session", resume=k > 0, **kw) for k, paste in enumerate(session_pastes(turns, paste_words))]
-
-
-def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_output: int, growth_pastes: float,
-                    count=None) -> dict[str, int]:
-    """The server window for the growing session, and the pinned agent's limits told it.
-
-    Args:
-        first_tokens: a one-line task's first request at the session's size (`first_tokens_at`; each
-            turn adds its paste, counted by the embedded model's tokenizer, and an answer).
-        max_output: the agents' answer cap (CLAUDE_CODE_MAX_OUTPUT_TOKENS).
-        growth_pastes: pastes (the largest) the session grows past its first turn before the told
-            agent compacts. It compacts before sending a turn its own count puts past the line and sends
-            that turn after the summary: too close a line (about a paste) and it compacts at every turn.
-
-    The told agent compacts a prompt past window - min(cap, 20,000) - 13,000 (`agents.claude_window_limits`),
-    so the window is sized from the line plus the agent's reserves (`agents.claude_budget`). Whether the
-    session as is outgrows it is what the pastes make it (`last_turn` against `window`; `plan_sentence`)."""
-    count = count or embedded_counter()
-    pastes = [count(p) for p in session_pastes(turns, paste_words)]
-    first_turn = first_tokens + pastes[0]
-    growth = math.ceil(growth_pastes * max(pastes))
-    window = agents.claude_budget(first_turn, growth=growth, answer_cap=max_output)["window"]
-    return {**agents.claude_window_limits(window, max_output), "first_turn": first_turn,
-            "last_turn": first_tokens + sum(pastes), "paste_tokens": max(pastes), "growth": growth}
+                        session="session", resume=k > 0, **kw) for k, paste in enumerate(pastes)]
 
 
 @functools.lru_cache(maxsize=None)

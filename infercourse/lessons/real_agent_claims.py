@@ -156,11 +156,22 @@ def plan_sentence(plan: dict[str, int]) -> str:
             + _in_pastes(t - f, plan["paste_tokens"]))
     as_is = ("beyond the window: as is, the session outgrows the server in its last turn"
              if plan["last_turn"] > w else "within the window: as is, the session does not outgrow this server")
-    return (f"The session's first turn is about {f:,} tokens; each turn pastes up to {plan['paste_tokens']:,}, and "
+    last = plan.get("last_paste_tokens")
+    pastes = (f"each turn but the last pastes up to {plan['paste_tokens']:,}, the last {last:,} at once (a long file),"
+              if last else f"each turn pastes up to {plan['paste_tokens']:,},")
+    return (f"The session's first turn is about {f:,} tokens; {pastes} and "
             f"the last turn holds at least {plan['last_turn']:,}, {as_is}. The server's window: {w:,} tokens. Told "
             f"it, with answers capped at {plan['max_output']:,}, this agent version refuses to send a prompt it counts "
             f"over {b:,} tokens (its own count, which need not match the server's), and its compaction threshold is "
-            f"{t:,}, {told}.")
+            f"{t:,}, {told}." + (_told_last(plan["told_last"], b) if last else ""))
+
+
+def _told_last(told_last: int, refuses: int) -> str:
+    """Whether the last turn fits the told agent after a compaction: first request and last paste
+    (the summary not counted) against its refuse line."""
+    fits = (f"{refuses - told_last:,} under its refuse line: told, it can send that turn after a compaction"
+            if told_last < refuses else "over its refuse line: told, it cannot send that turn either")
+    return f" After a compaction that last turn holds about {told_last:,} tokens and a summary, {fits}."
 
 
 def _in_pastes(room: int, paste: int) -> str:

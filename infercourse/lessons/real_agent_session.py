@@ -54,19 +54,25 @@ def _rewrites(gen: pd.DataFrame, out: str | Path) -> pd.DataFrame:
     at system 0 (the billing header's suffix follows the first message), in message 0 (a new
     summary), or further down: a summary that came back word for word as the last one (greedy
     answers) keeps the first message, and only what follows it changes. A summary request that
-    drops the newest turn keeps most of the history, and is not a rewrite."""
+    drops the newest turn keeps most of the history before it, and is not a rewrite; so "kept" is
+    judged against the call before's messages less its last one (a long paste refused for size is
+    most of its messages). A call that starts from a summary *and* adds a long paste holds more
+    message tokens than the summary request before it: a difference inside the messages with
+    little kept before it is a rewrite too; at system 0 (the header) it needs the shrink."""
     shape = {}
     for a in anatomy(out):
         kinds = [p["kind"] for p in a["parts"]]
         first = kinds.index("message") if "message" in kinds else len(kinds)
+        msgs = [p["tokens"] for p in a["parts"][first:] if p["kind"] == "message"]
         shape[a["request_id"]] = (sum(p["tokens"] for p in a["parts"][:first]),
-                                  sum(p["tokens"] for p in a["parts"][first:]))
+                                  sum(p["tokens"] for p in a["parts"][first:]), msgs[-1] if len(msgs) > 1 else 0)
     s = gen["request_id"].map(shape)
-    before_msgs = s.map(lambda x: x[0] if isinstance(x, tuple) else float("nan"))
-    gen["message_tokens"] = s.map(lambda x: x[1] if isinstance(x, tuple) else float("nan"))
+    at = lambda k: s.map(lambda x: x[k] if isinstance(x, tuple) else float("nan"))   # noqa: E731
+    before_msgs, gen["message_tokens"] = at(0), at(1)
     kept = (gen.get("tokens_before_diff", pd.Series(float("nan"), index=gen.index)) - before_msgs).clip(lower=0)
-    previous = gen["message_tokens"].shift()
-    gen["rewrote_history"] = (gen["message_tokens"] < previous) & (kept < KEPT_SHARE * previous)
+    previous, history = gen["message_tokens"].shift(), (at(1) - at(2)).shift()
+    in_messages = gen.get("first_diff", pd.Series("", index=gen.index)).fillna("").astype(str).str.startswith("message")
+    gen["rewrote_history"] = ((gen["message_tokens"] < previous) | in_messages) & (kept < KEPT_SHARE * history)
     return gen
 
 

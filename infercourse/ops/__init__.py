@@ -33,6 +33,7 @@ soaking, and finding the layer at fault.
 | `agent_doctor` | `doctor agent --agent claude-code` (or `codex`): is this server ready for a real agent's first call |
 | `prefill_probe` | a cold prefill forecast for an agent's first request: three cold probes on the server, the a + b·n + c·n² fit, the extrapolation said |
 | `agent_budget` | the pinned Claude Code's window arithmetic: window, answer cap and compaction line sized together, printed as arithmetic |
+| `agent_growth` | notebook 20's growing session planned: each turn's paste, the window, and a last paste that takes the session as is past it |
 | `chat_doctor` | `doctor agent --agent chat`: the same for an agent over chat completions, side calls included |
 | `side_calls`  | side calls against the prefix cache: the same agent tasks on one server per fix (`--cache-ram`, `-np 2`, slot save) |
 """
