@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-__all__ = ["parts", "dissect", "first_difference", "tokenizer_of", "embedded_counter", "compare_parts", "system_key",
+__all__ = ["parts", "dissect", "first_difference", "tokenizer_of", "embedded_counter", "fewest_words", "compare_parts", "system_key",
            "write_anatomy", "padded_prompt"]
 
 Part = tuple[str, str, str]   # (kind, label, text)
@@ -213,8 +213,14 @@ def padded_prompt(prompt: str, extra: int, count: Callable[[str], int] | None = 
     count = count or embedded_counter()
     words, base = eval_text().split(), count(prompt)
     make = lambda n: f"A note (not part of the task): {' '.join(words[:n])}\n\n{prompt}"   # noqa: E731
-    lo, hi = 0, len(words)
-    while lo < hi:                      # bisect: the token count grows with the words
+    return make(fewest_words(make, base + extra, count, len(words)))
+
+
+def fewest_words(make: Callable[[int], str], target: int, count: Callable[[str], int], most: int) -> int:
+    """The fewest words n (0 to `most`) for which `make(n)` counts at least `target` tokens (`most`
+    where none does): bisected, as the token count grows with the words."""
+    lo, hi = 0, most
+    while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (mid + 1, hi) if count(make(mid)) - base < extra else (lo, mid)
-    return make(lo)
+        lo, hi = (mid + 1, hi) if count(make(mid)) < target else (lo, mid)
+    return lo

@@ -17,38 +17,42 @@ notebook measures what the agent did. Written here because no library plans an a
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable
 
-from infercourse.ops.agent_anatomy import embedded_counter
+from infercourse.ops.agent_anatomy import embedded_counter, fewest_words
 from infercourse.ops.agent_budget import claude_budget, claude_window_limits
 
 __all__ = ["session_pastes", "compaction_plan", "last_paste_words"]
 
 
+def _cycled(words: list[str], start: int, n: int) -> str:
+    """`n` words of `words` from `start`, read in a cycle (a long paste is longer than the text)."""
+    return " ".join(words[(start + i) % len(words)] for i in range(n))
+
+
 def session_pastes(turns: int, paste_words: int, last_words: int | None = None) -> list[str]:
     """What each turn of the growing session pastes: `paste_words` words of the course's
-    evaluation text (the last turn `last_words` where given), read in a cycle (a long paste is
-    longer than the text), each turn going on where the one before stopped."""
+    evaluation text (the last turn `last_words` where given), read in a cycle, each turn going
+    on where the one before stopped."""
     from infercourse.measure.workloads import eval_text
     words = eval_text().split()
     sizes = [paste_words] * turns
     if last_words is not None and turns:
         sizes[-1] = last_words
-    starts = [sum(sizes[:k]) for k in range(turns)]
-    return [" ".join(words[(s + i) % len(words)] for i in range(n)) for s, n in zip(starts, sizes)]
+    return [_cycled(words, start, n) for start, n in zip(itertools.accumulate([0, *sizes[:-1]]), sizes)]
 
 
 def last_paste_words(turns: int, paste_words: int, target: int, count: Callable[[str], int]) -> tuple[int, int]:
-    """The fewest words (and their tokens) for the last turn's paste to hold at least `target`
-    tokens: a first guess from the other pastes' tokens per word, then corrected by counting."""
-    per_word = count(session_pastes(1, paste_words)[0]) / paste_words
-    n = max(1, math.ceil(target / per_word))
-    tokens = count(session_pastes(turns, paste_words, n)[-1])
-    while tokens < target:
-        n += max(1, math.ceil((target - tokens) / per_word))
-        tokens = count(session_pastes(turns, paste_words, n)[-1])
-    return n, tokens
+    """The fewest words (at least one), and their tokens, for the last turn's paste (going on where
+    the turns before stopped) to hold at least `target` tokens (`fewest_words`; a word is a token or
+    more, so `target` words always do)."""
+    from infercourse.measure.workloads import eval_text
+    words, start = eval_text().split(), (turns - 1) * paste_words
+    make = lambda n: _cycled(words, start, n)   # noqa: E731
+    n = max(1, fewest_words(make, target, count, max(1, target)))
+    return n, count(make(n))
 
 
 def compaction_plan(first_tokens: int, turns: int, paste_words: int, *, max_output: int, growth_pastes: float,
