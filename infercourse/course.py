@@ -193,6 +193,29 @@ def write_claims(out: str | Path) -> Path:
     return dest
 
 
+def _read_pace(stem: str, readings: dict) -> float:
+    """Read the pace before notebook `stem` into `readings`; the seconds the reading took."""
+    from infercourse.ops import pace
+    t0 = time.perf_counter()
+    try:
+        readings[stem] = r = pace.reading(prefill=stem in pace.PREFILL_BOUND)
+        print("   pace now: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
+    except Exception as e:  # a reading is context for the times, never a reason to stop the course
+        print(f"   pace not read: {e}", flush=True)
+    return time.perf_counter() - t0
+
+
+def _print_pace(size: str, times: dict, readings: dict, spent: float) -> None:
+    from infercourse.ops import pace
+    if not pace.REFERENCE.is_file():
+        return
+    t = pace.run_pace_table({"size": size, "seconds": times, "pace": readings}, json.loads(pace.REFERENCE.read_text()))
+    if not t.empty:
+        print(f"at the reference machine's pace (each notebook scaled by the probe read before it): "
+              f"{t['at_reference_s'].sum() / 60:.1f} min for the {len(t)} notebooks measured "
+              f"{t['measured_s'].sum() / 60:.1f} min here; the readings took {spent:.0f} s")
+
+
 def course_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="infercourse course",
                                  description="Execute every notebook in order, headless.")
@@ -208,6 +231,9 @@ def course_main(argv: list[str] | None = None) -> int:
                     help="set a parameter in every notebook whose parameters cell has it "
                          "(repeatable; VALUE is a Python literal or a string), e.g. "
                          "--param PROFILE=gpu --param URL=http://127.0.0.1:8000")
+    ap.add_argument("--pace", action=argparse.BooleanOptionalAction, default=None,
+                    help="read the machine's pace (a ~3 s probe) before each notebook, for `doctor course "
+                         "--check` (default: on at full size)")
     args = ap.parse_args(argv)
     try:
         given = parse_params(args.param)
@@ -217,13 +243,16 @@ def course_main(argv: list[str] | None = None) -> int:
     if not todo:
         print(f"no notebooks found in {NOTEBOOK_DIR}", file=sys.stderr)
         return 2
-    failed, times = [], {}
+    failed, times, readings, spent = [], {}, {}, 0.0
+    read_pace = args.size == "full" if args.pace is None else args.pace
     t0 = time.perf_counter()
     for p in todo:
         params = (ci_params(p) if args.size == "ci" else {}) | given
         used = {k: v for k, v in params.items() if k in notebook_parameters(p)}
         print(f"== {p.name}" + (f"  ({', '.join(f'{k}={v!r}' for k, v in used.items())})"
                                  if used else ""), flush=True)
+        if read_pace:
+            spent += _read_pace(p.stem, readings)
         try:
             info = run_notebook(p, args.out, timeout_s=args.timeout, params=params)
             times[p.stem] = info["seconds"]
@@ -236,11 +265,14 @@ def course_main(argv: list[str] | None = None) -> int:
     # the course's own run times on this machine, for the course map and `doctor` to compare
     (Path(args.out) / "course_times.json").write_text(json.dumps(
         {"size": args.size, "params": given, "seconds": times, "total_s": round(total, 1),
-         "load_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}, indent=1))
+         "load_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+         **({"pace": readings, "pace_reading_s": round(spent, 1)} if readings else {})}, indent=1))
     claims = write_claims(args.out)
     print(f"{len(todo) - len(failed)} notebook(s) in {int(total // 60)} min {int(total % 60)} s; "
           f"executed notebooks and HTML are in {Path(args.out).resolve()}; the sentences each computed "
           f"from its run are in {claims.name}")
+    if readings:
+        _print_pace(args.size, times, readings, spent)
     if failed:
         print(f"{len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1

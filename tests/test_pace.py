@@ -70,3 +70,44 @@ def test_the_ci_size_is_read_in_one_place(tmp_path, monkeypatch):
     assert course.ci_params("notebooks/15_stability.ipynb") == {"SOAK_S": 7.5, "N": 2}
     assert course.ci_params("notebooks/00_setup.ipynb") == {}
     assert pace.fixed_s("ci") == {"15_stability": 7.5}
+
+
+def test_a_run_is_read_at_the_pace_measured_before_each_notebook():
+    """A shared VM slowed down mid-course (2026-12-06: notebooks 13-22 % slower than an hour
+    before, the probes read after the run saw nothing). A run that read the pace before each
+    notebook is forecast, and scaled to the reference, notebook by notebook at that reading."""
+    soak = pace.fixed_s()["15_stability"]
+    ref = {"probe_s": 1.0, "prefill_probe_s": 2.0,
+           "notebooks_full_s": {"00_setup": 100.0, "15_stability": soak + 10.0, "20_real_coding_agent": 1000.0}}
+    run = {"size": "full", "seconds": {"00_setup": 125.0, "15_stability": soak + 12.0, "20_real_coding_agent": 1200.0,
+                                       "21_capstone": 50.0},
+           "pace": {"00_setup": {"probe_s": 1.25}, "15_stability": {"probe_s": 1.2},
+                    "20_real_coding_agent": {"probe_s": 1.0, "prefill_probe_s": 2.4}}}
+    got = pace.run_pace(run, ref)
+    assert set(got) == {"00_setup", "15_stability", "20_real_coding_agent"}   # 21: no reference time
+    assert got["00_setup"] == {"ratio": 1.25, "forecast_s": 125.0, "measured_s": 125.0, "at_reference_s": 100.0}
+    assert got["20_real_coding_agent"]["ratio"] == 1.2                         # its prefill probe, not the other
+    assert got["20_real_coding_agent"]["at_reference_s"] == 1000.0
+    assert got["15_stability"]["at_reference_s"] == soak + 10.0                # the soak is not scaled
+    t = pace.run_pace_table(run, ref)
+    assert bool(t["within"].all()) and t["at_reference_s"].sum() == 1100.0 + soak + 10.0
+    assert pace.run_pace({**run, "pace": {}}, ref) == {}
+
+
+def test_the_course_reads_the_pace_before_each_notebook_at_full_size(tmp_path, monkeypatch):
+    from infercourse import course
+    from infercourse.ops import pace as pace_mod
+    nbs = [tmp_path / "00_a.ipynb", tmp_path / "20_real_coding_agent.ipynb"]
+    monkeypatch.setattr(course, "notebooks", lambda: nbs)
+    monkeypatch.setattr(course, "notebook_parameters", lambda p: {})
+    monkeypatch.setattr(course, "run_notebook", lambda p, out, **kw: {"seconds": 1.0})
+    monkeypatch.setattr(course, "write_claims", lambda out: tmp_path / "claims.md")
+    asked = []
+    monkeypatch.setattr(pace_mod, "reading", lambda prefill=False: asked.append(prefill) or {"probe_s": 1.0})
+    assert course.course_main(["--out", str(tmp_path)]) == 0
+    assert asked == [False, True]            # the prefill probe only before a prefill-bound notebook
+    saved = json.loads((tmp_path / "course_times.json").read_text())
+    assert set(saved["pace"]) == {"00_a", "20_real_coding_agent"} and "pace_reading_s" in saved
+    asked.clear()
+    assert course.course_main(["--out", str(tmp_path), "--size", "ci"]) == 0
+    assert asked == [] and "pace" not in json.loads((tmp_path / "course_times.json").read_text())

@@ -22,7 +22,11 @@ What no probe sees: a GPU, a faster disk, torch (the probes time llama.cpp: on a
 machine, forecast ÷ measured ran from 0.78 for 10 to 1.48 for 09, 12 of 22 within 15 %, the
 course 0.91), how a real agent behaves (how often it compacts or retries depends on the agent,
 not the machine), and load: the load average is printed beside the forecast, and the probes were
-timed on the machine as it is now.
+timed on the machine as it is now. A shared VM's pace also drifts while the course runs (one
+run here took 13-22 % longer per notebook than the same code an hour before, and the probes
+read after it saw nothing), so `infercourse course` reads the pace again before each notebook
+(`reading`, ~3 s; `run_pace` puts each notebook's time beside the forecast at the pace read just
+before it, and scales the run to the reference's pace).
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REFERENCE", "PREFILL_BOUND", "fixed_s", "probe_s", "prefill_probe_s", "probes", "predict", "forecast_table",
+__all__ = ["REFERENCE", "PREFILL_BOUND", "fixed_s", "probe_s", "prefill_probe_s", "probes", "reading", "predict", "forecast_table",
+           "run_pace", "run_pace_table",
            "save_reference", "pace_main"]
 
 REFERENCE = Path(__file__).resolve().parents[2] / "data" / "reference_machine.json"
@@ -92,6 +97,15 @@ def probes() -> dict[str, float]:
     return {"probe_s": probe_s(), "prefill_probe_s": prefill_probe_s()}
 
 
+def reading(prefill: bool = False) -> dict[str, float]:
+    """The pace now, read between two notebooks of a course run: the one-thread probe with fewer
+    repeats (~3 s), and the prefill probe too for a notebook of `PREFILL_BOUND` (`prefill`)."""
+    r = {"probe_s": probe_s(repeats=2)}
+    if prefill:
+        r["prefill_probe_s"] = prefill_probe_s(repeats=2)
+    return r
+
+
 def _ratios(probe: dict[str, float], reference: dict[str, Any]) -> dict[str, float]:
     r = {"probe": probe["probe_s"] / reference["probe_s"]}
     if probe.get("prefill_probe_s") and reference.get("prefill_probe_s"):
@@ -143,6 +157,38 @@ def forecast_table(prediction: dict[str, Any], measured: dict[str, float] | None
                        within=abs(f / m - 1) <= tol)
         rows.append(row)
     return pd.DataFrame(rows).set_index("notebook")
+
+
+def run_pace(course_times: dict[str, Any], reference: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per notebook of a run that read the pace before each notebook (`course_times.json`'s
+    `pace`): the ratio read then (its basis's probe ÷ the reference's), the reference's time
+    forecast at that ratio, the seconds measured, and those seconds at the reference's pace
+    (÷ the ratio; the set durations of `fixed_s` as they are). Notebooks without a reading or
+    a reference time are left out."""
+    size = course_times.get("size", "full")
+    ref_nb, fixed = reference.get(f"notebooks_{size}_s") or {}, fixed_s(size)
+    out = {}
+    for nb, measured in course_times.get("seconds", {}).items():
+        read = (course_times.get("pace") or {}).get(nb)
+        if not read or nb not in ref_nb:
+            continue
+        r = _ratios(read, reference)
+        ratio = r["prefill"] if nb in PREFILL_BOUND and "prefill" in r else r["probe"]
+        f = min(fixed.get(nb, 0.0), measured)
+        out[nb] = {"ratio": ratio, "forecast_s": _scaled(ref_nb[nb], fixed.get(nb, 0.0), ratio),
+                   "measured_s": float(measured), "at_reference_s": f + (measured - f) / ratio}
+    return out
+
+
+def run_pace_table(course_times: dict[str, Any], reference: dict[str, Any], tol: float = 0.15):
+    """`run_pace` as a table, with forecast ÷ measured and whether it landed within `tol`."""
+    import pandas as pd
+    df = pd.DataFrame(run_pace(course_times, reference)).T
+    if df.empty:
+        return df
+    df["forecast_over_measured"] = df["forecast_s"] / df["measured_s"]
+    df["within"] = (df["forecast_over_measured"] - 1).abs() <= tol
+    return df.round({"ratio": 3, "forecast_s": 1, "measured_s": 1, "at_reference_s": 1, "forecast_over_measured": 2})
 
 
 def save_reference(course_times: str | Path, probe: float | dict[str, float], path: Path = REFERENCE) -> dict:
@@ -200,6 +246,13 @@ def pace_main(argv: list[str] | None = None) -> int:
     if p.get("notebooks_full_s"):
         measured = json.loads(Path(a.check).read_text())["seconds"] if a.check else None
         print(forecast_table(p, measured).to_string())
+        run = json.loads(Path(a.check).read_text()) if a.check else {}
+        if run.get("pace"):
+            t = run_pace_table(run, ref)
+            print(f"== at the pace read before each notebook of that run: {int(t['within'].sum())} of {len(t)} "
+                  f"forecasts within 15 %; the run at the reference's pace: {_minutes(t['at_reference_s'].sum())} "
+                  f"(measured {_minutes(t['measured_s'].sum())})")
+            print(t.to_string())
         print(f"  least sure: {', '.join(PREFILL_BOUND[1:])} (real agents: their own behaviour, how often they "
               "compact or retry, does not scale with any probe), notebooks that spend their time outside llama.cpp "
               "(torch, starting servers) or waiting out set timeouts, and any notebook on a busy machine")
