@@ -111,3 +111,17 @@ def test_the_course_reads_the_pace_before_each_notebook_at_full_size(tmp_path, m
     asked.clear()
     assert course.course_main(["--out", str(tmp_path), "--size", "ci"]) == 0
     assert asked == [] and "pace" not in json.loads((tmp_path / "course_times.json").read_text())
+
+
+def test_a_reference_takes_the_pace_its_run_was_measured_at(tmp_path):
+    """The probes read after a run can miss the pace it ran at (2026-12-06: the same, while the
+    notebooks had run 13-22 % slower): a run that read the pace before each notebook gives the
+    reference the medians of those readings, not the probe read afterwards."""
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps({"size": "full", "seconds": {"00_setup": 12.0}, "total_s": 30.0, "load_1m": 0.3,
+                                 "pace": {"00_setup": {"probe_s": 1.1}, "01_x": {"probe_s": 1.3},
+                                          "20_y": {"probe_s": 1.2, "prefill_probe_s": 2.0}}}))
+    ref = pace.save_reference(times, {"probe_s": 0.9, "prefill_probe_s": 1.5}, path=tmp_path / "ref.json")
+    assert (ref["probe_s"], ref["prefill_probe_s"]) == (1.2, 2.0)
+    times.write_text(json.dumps({"size": "full", "seconds": {"00_setup": 12.0}, "total_s": 30.0, "load_1m": 0.3}))
+    assert pace.save_reference(times, 0.9, path=tmp_path / "ref2.json")["probe_s"] == 0.9

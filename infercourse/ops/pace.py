@@ -26,7 +26,8 @@ timed on the machine as it is now. A shared VM's pace also drifts while the cour
 run here took 13-22 % longer per notebook than the same code an hour before, and the probes
 read after it saw nothing), so `infercourse course` reads the pace again before each notebook
 (`reading`, ~3 s; `run_pace` puts each notebook's time beside the forecast at the pace read just
-before it, and scales the run to the reference's pace).
+before it, and scales the run to the reference's pace), and a reference saved from such a run
+takes the medians of its readings as its probes.
 """
 from __future__ import annotations
 
@@ -193,10 +194,17 @@ def run_pace_table(course_times: dict[str, Any], reference: dict[str, Any], tol:
 
 def save_reference(course_times: str | Path, probe: float | dict[str, float], path: Path = REFERENCE) -> dict:
     """Record this machine as the reference: its probes and a `course_times.json` that
-    `infercourse course` wrote (full or CI size), keeping the other size's figures."""
+    `infercourse course` wrote (full or CI size), keeping the other size's figures. Where the run
+    read the pace before each notebook (its `pace`), the reference's probes are the medians of
+    those readings, the pace the times were measured at (not `probe`, read after the run)."""
+    import statistics
     from infercourse.measure.hardware import hardware_info
     probe = probe if isinstance(probe, dict) else {"probe_s": float(probe)}
     times = json.loads(Path(course_times).read_text())
+    read = list((times.get("pace") or {}).values())
+    if read:
+        probe = {k: statistics.median(r[k] for r in read if k in r) for k in ("probe_s", "prefill_probe_s")
+                 if any(k in r for r in read)}
     ref = json.loads(path.read_text()) if path.is_file() else {}
     hw = hardware_info()
     ref.update({"machine": f"{hw.get('cpu')}, {hw.get('cores_logical')} cores, {hw.get('ram_gb')} GB, "
@@ -224,8 +232,9 @@ def pace_main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     probe = probes()
     if a.save_reference:
-        save_reference(a.save_reference, probe)
-        print(f"reference saved to {REFERENCE} (probes {probe['probe_s']:.3f} s and {probe['prefill_probe_s']:.3f} s, "
+        ref = save_reference(a.save_reference, probe)
+        print(f"reference saved to {REFERENCE} (probes {ref['probe_s']:.3f} s and {ref.get('prefill_probe_s', 0):.3f} s"
+              f"{', the medians of the run’s own readings' if ref['probe_s'] != round(probe['probe_s'], 4) else ''}; "
               f"load {load:.1f})")
         return 0
     if not REFERENCE.is_file():
