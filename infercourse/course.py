@@ -211,7 +211,7 @@ def _print_pace(size: str, times: dict, readings: dict, spent: float) -> None:
         return
     t = pace.run_pace_table({"size": size, "seconds": times, "pace": readings}, json.loads(pace.REFERENCE.read_text()))
     if not t.empty:
-        print(f"at the reference machine's pace (each notebook scaled by the probe read before it): "
+        print(f"at the reference machine's pace (this run's median pace reading ÷ the reference run's): "
               f"{t['at_reference_s'].sum() / 60:.1f} min for the {len(t)} notebooks measured "
               f"{t['measured_s'].sum() / 60:.1f} min here; the readings took {spent:.0f} s")
 

@@ -25,9 +25,9 @@ not the machine), and load: the load average is printed beside the forecast, and
 timed on the machine as it is now. A shared VM's pace also drifts while the course runs (one
 run here took 13-22 % longer per notebook than the same code an hour before, and the probes
 read after it saw nothing), so `infercourse course` reads the pace again before each notebook
-(`reading`, ~3 s; `run_pace` puts each notebook's time beside the forecast at the pace read just
-before it, and scales the run to the reference's pace), and a reference saved from such a run
-takes the medians of its readings as its probes.
+(`reading`, ~3 s; `run_pace` puts each notebook's time beside the forecast at the run's pace,
+the median of its readings against the reference run's, and scales the run to the reference's
+pace).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["REFERENCE", "PREFILL_BOUND", "fixed_s", "probe_s", "prefill_probe_s", "probes", "reading", "predict", "forecast_table",
-           "run_pace", "run_pace_table",
+           "readings_median", "run_pace", "run_pace_table",
            "save_reference", "pace_main"]
 
 REFERENCE = Path(__file__).resolve().parents[2] / "data" / "reference_machine.json"
@@ -160,23 +160,39 @@ def forecast_table(prediction: dict[str, Any], measured: dict[str, float] | None
     return pd.DataFrame(rows).set_index("notebook")
 
 
+def readings_median(course_times: dict[str, Any]) -> dict[str, float]:
+    """The medians of a run's pace readings (`course_times.json`'s `pace`), per probe."""
+    import statistics
+    read = list((course_times.get("pace") or {}).values())
+    return {k: statistics.median(r[k] for r in read if k in r) for k in ("probe_s", "prefill_probe_s")
+            if any(k in r for r in read)}
+
+
 def run_pace(course_times: dict[str, Any], reference: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Per notebook of a run that read the pace before each notebook (`course_times.json`'s
-    `pace`): the ratio read then (its basis's probe ÷ the reference's), the reference's time
-    forecast at that ratio, the seconds measured, and those seconds at the reference's pace
-    (÷ the ratio; the set durations of `fixed_s` as they are). Notebooks without a reading or
-    a reference time are left out."""
+    `pace`): the reading before it (`read`), the run's ratio (the median of its readings ÷ the
+    reference run's median, `readings`; the reference's probes where it has none), the
+    reference's time forecast at that ratio, the seconds measured, and those seconds at the
+    reference's pace (÷ the ratio; the set durations of `fixed_s` as they are).
+
+    One ratio for the run, not each notebook's own reading: a reading is ~3 s of a notebook that
+    runs minutes, and single readings jump (0.91 to 1.75 s on one run of 2026-12-06, where
+    scaling each notebook by its own put 11 of 22 within 15 % and the median 14). Notebooks
+    without a reading or a reference time are left out."""
     size = course_times.get("size", "full")
     ref_nb, fixed = reference.get(f"notebooks_{size}_s") or {}, fixed_s(size)
+    med = readings_median(course_times)
+    if not med:
+        return {}
+    r = _ratios(med, {**reference, **(reference.get("readings") or {})})
     out = {}
     for nb, measured in course_times.get("seconds", {}).items():
         read = (course_times.get("pace") or {}).get(nb)
         if not read or nb not in ref_nb:
             continue
-        r = _ratios(read, reference)
         ratio = r["prefill"] if nb in PREFILL_BOUND and "prefill" in r else r["probe"]
         f = min(fixed.get(nb, 0.0), measured)
-        out[nb] = {"ratio": ratio, "forecast_s": _scaled(ref_nb[nb], fixed.get(nb, 0.0), ratio),
+        out[nb] = {"read": read["probe_s"], "ratio": ratio, "forecast_s": _scaled(ref_nb[nb], fixed.get(nb, 0.0), ratio),
                    "measured_s": float(measured), "at_reference_s": f + (measured - f) / ratio}
     return out
 
@@ -189,29 +205,28 @@ def run_pace_table(course_times: dict[str, Any], reference: dict[str, Any], tol:
         return df
     df["forecast_over_measured"] = df["forecast_s"] / df["measured_s"]
     df["within"] = (df["forecast_over_measured"] - 1).abs() <= tol
-    return df.round({"ratio": 3, "forecast_s": 1, "measured_s": 1, "at_reference_s": 1, "forecast_over_measured": 2})
+    return df.round({"read": 3, "ratio": 3, "forecast_s": 1, "measured_s": 1, "at_reference_s": 1, "forecast_over_measured": 2})
 
 
 def save_reference(course_times: str | Path, probe: float | dict[str, float], path: Path = REFERENCE) -> dict:
     """Record this machine as the reference: its probes and a `course_times.json` that
     `infercourse course` wrote (full or CI size), keeping the other size's figures. Where the run
-    read the pace before each notebook (its `pace`), the reference's probes are the medians of
-    those readings, the pace the times were measured at (not `probe`, read after the run)."""
-    import statistics
+    read the pace before each notebook (its `pace`), the medians of those readings are kept too
+    (`readings`: the pace the times were measured at, in the readings' own measure, which
+    `run_pace` compares a later run's with; `probe`, read after the run, is what `doctor course`
+    compares a learner's `probes()` with)."""
     from infercourse.measure.hardware import hardware_info
     probe = probe if isinstance(probe, dict) else {"probe_s": float(probe)}
     times = json.loads(Path(course_times).read_text())
-    read = list((times.get("pace") or {}).values())
-    if read:
-        probe = {k: statistics.median(r[k] for r in read if k in r) for k in ("probe_s", "prefill_probe_s")
-                 if any(k in r for r in read)}
+    med = readings_median(times)
     ref = json.loads(path.read_text()) if path.is_file() else {}
     hw = hardware_info()
     ref.update({"machine": f"{hw.get('cpu')}, {hw.get('cores_logical')} cores, {hw.get('ram_gb')} GB, "
                            f"{hw.get('machine')}",
                 **{k: round(v, 4) for k, v in probe.items()}, f"course_{times['size']}_s": times["total_s"],
                 f"notebooks_{times['size']}_s": times["seconds"],
-                f"load_1m_{times['size']}": times.get("load_1m")})
+                f"load_1m_{times['size']}": times.get("load_1m"),
+                **({"readings": {k: round(v, 4) for k, v in med.items()}} if med else {})})
     path.write_text(json.dumps(ref, indent=1) + "\n")
     return ref
 
@@ -233,9 +248,8 @@ def pace_main(argv: list[str] | None = None) -> int:
     probe = probes()
     if a.save_reference:
         ref = save_reference(a.save_reference, probe)
-        print(f"reference saved to {REFERENCE} (probes {ref['probe_s']:.3f} s and {ref.get('prefill_probe_s', 0):.3f} s"
-              f"{', the medians of the run’s own readings' if ref['probe_s'] != round(probe['probe_s'], 4) else ''}; "
-              f"load {load:.1f})")
+        print(f"reference saved to {REFERENCE} (probes {ref['probe_s']:.3f} s and {ref.get('prefill_probe_s', 0):.3f} s, "
+              f"load {load:.1f}; the run's readings: {ref.get('readings', 'none')})")
         return 0
     if not REFERENCE.is_file():
         print(f"probes: {probe}; no reference figures ({REFERENCE} missing)")
@@ -258,7 +272,8 @@ def pace_main(argv: list[str] | None = None) -> int:
         run = json.loads(Path(a.check).read_text()) if a.check else {}
         if run.get("pace"):
             t = run_pace_table(run, ref)
-            print(f"== at the pace read before each notebook of that run: {int(t['within'].sum())} of {len(t)} "
+            print(f"== at that run's pace (the median of the readings before its notebooks, ÷ the reference run's): "
+                  f"{int(t['within'].sum())} of {len(t)} "
                   f"forecasts within 15 %; the run at the reference's pace: {_minutes(t['at_reference_s'].sum())} "
                   f"(measured {_minutes(t['measured_s'].sum())})")
             print(t.to_string())
