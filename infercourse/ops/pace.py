@@ -179,20 +179,19 @@ def run_pace(course_times: dict[str, Any], reference: dict[str, Any]) -> dict[st
     runs minutes, and single readings jump (0.91 to 1.75 s on one run of 2026-12-06, where
     scaling each notebook by its own put 11 of 22 within 15 % and the median 14). Notebooks
     without a reading or a reference time are left out."""
-    size = course_times.get("size", "full")
-    ref_nb, fixed = reference.get(f"notebooks_{size}_s") or {}, fixed_s(size)
+    size, readings = course_times.get("size", "full"), course_times.get("pace") or {}
     med = readings_median(course_times)
     if not med:
         return {}
-    r = _ratios(med, {**reference, **(reference.get("readings") or {})})
+    p = predict(med, {**reference, **(reference.get("readings") or {})})   # the forecast at the run's pace
+    forecast, basis = p.get(f"notebooks_{size}_s") or {}, p.get(f"basis_{size}") or {}
+    ratios, fixed = {"probe": p["ratio"], "prefill": p["prefill_ratio"]}, fixed_s(size)
     out = {}
     for nb, measured in course_times.get("seconds", {}).items():
-        read = (course_times.get("pace") or {}).get(nb)
-        if not read or nb not in ref_nb:
+        if nb not in readings or nb not in forecast:
             continue
-        ratio = r["prefill"] if nb in PREFILL_BOUND and "prefill" in r else r["probe"]
-        f = min(fixed.get(nb, 0.0), measured)
-        out[nb] = {"read": read["probe_s"], "ratio": ratio, "forecast_s": _scaled(ref_nb[nb], fixed.get(nb, 0.0), ratio),
+        ratio, f = ratios[basis[nb]], min(fixed.get(nb, 0.0), measured)
+        out[nb] = {"read": readings[nb]["probe_s"], "ratio": ratio, "forecast_s": forecast[nb],
                    "measured_s": float(measured), "at_reference_s": f + (measured - f) / ratio}
     return out
 
@@ -267,9 +266,8 @@ def pace_main(argv: list[str] | None = None) -> int:
         print(f"  and its notebooks at CI size in about {_minutes(p['course_ci_s'])} "
               f"(inside `make test`; reference: {_minutes(ref['course_ci_s'])})")
     if p.get("notebooks_full_s"):
-        measured = json.loads(Path(a.check).read_text())["seconds"] if a.check else None
-        print(forecast_table(p, measured).to_string())
         run = json.loads(Path(a.check).read_text()) if a.check else {}
+        print(forecast_table(p, run.get("seconds")).to_string())
         if run.get("pace"):
             t = run_pace_table(run, ref)
             print(f"== at that run's pace (the median of the readings before its notebooks, ÷ the reference run's): "
