@@ -232,7 +232,7 @@ def course_main(argv: list[str] | None = None) -> int:
                          "(repeatable; VALUE is a Python literal or a string), e.g. "
                          "--param PROFILE=gpu --param URL=http://127.0.0.1:8000")
     ap.add_argument("--pace", action=argparse.BooleanOptionalAction, default=None,
-                    help="read the machine's pace (a ~3 s probe) before each notebook, for `doctor course "
+                    help="read the machine's pace (a ~2 s probe) before each notebook, for `doctor course "
                          "--check` (default: on at full size)")
     args = ap.parse_args(argv)
     try:

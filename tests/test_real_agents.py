@@ -484,13 +484,29 @@ def test_cold_warm_sentence_names_the_fold_both_ways(cold, fold, word):
 def test_header_sentence_flips():
     on = dict(evaluated_tokens=900, prompt_tokens=1000, first_diff="system 0")
     off = dict(evaluated_tokens=20, prompt_tokens=1000, first_diff="message 0 (user)")
-    assert _says(rc.header_sentence(_tab(on=on, off=off), "on", "off"), "More with the header on")
+    assert _says(rc.header_sentence(_tab(on=on, off=off), "on", "off"), "A larger share of its prompt with the header on")
     assert "evaluated 900 of its 1,000 prompt tokens (90%)" in rc.header_sentence(_tab(on=on, off=off), "on", "off")
-    assert _says(rc.header_sentence(_tab(on=off, off=on), "on", "off"), "Fewer with the header on")
+    assert _says(rc.header_sentence(_tab(on=off, off=on), "on", "off"), "A smaller share of its prompt with the header on")
     same = rc.header_sentence(_tab(on=on, off=dict(off, evaluated_tokens=900)), "on", "off")
-    assert _says(same, "As many with the header on as off") and not re.search(r"\b(More|Fewer)\b", same)
+    assert _says(same, "The same share with the header on as off") and not re.search(r"\b(larger|smaller)\b", same)
     unknown = dict(off, prompt_tokens=float("nan"))
     assert "gave no prompt size" in rc.header_sentence(_tab(on=on, off=unknown), "on", "off")
+    assert _says(rc.header_sentence(_tab(on=on, off=unknown), "on", "off"), "cannot compare the shares")
+
+
+def test_header_sentence_compares_shares_across_sizes_and_prices_the_full_size():
+    """C may run at the agent's small size beside a full-size B: fewer tokens but all of its prompt
+    is a larger share, and at the full size that is the cold task's whole prefill, read from its row."""
+    small_on = dict(evaluated_tokens=1055, prompt_tokens=1058, first_diff="system 0", ttft_s=5.0)
+    big_off = dict(evaluated_tokens=2329, prompt_tokens=12389, first_diff="message 0 (user)", ttft_s=36.0)
+    cold = dict(evaluated_tokens=12389, prompt_tokens=12389, first_diff="first call", ttft_s=109.48)
+    s = rc.header_sentence(_tab(on=small_on, off=big_off, cold=cold), "on", "off", cold="cold")
+    assert _says(s, "A larger share of its prompt with the header on"), s
+    assert "at the full size (cold's 12,389 tokens) that is cold's cold prefill, 109.5 s" in s
+    partial = rc.header_sentence(_tab(on=dict(small_on, evaluated_tokens=500), off=big_off, cold=cold), "on", "off", cold="cold")
+    assert "cold prefill" not in partial   # only a request evaluated whole again is priced at the full size
+    same_size = rc.header_sentence(_tab(on=dict(cold, first_diff="system 0"), off=big_off, cold=cold), "on", "off", cold="cold")
+    assert "at the full size" not in same_size   # a full-size C measured its own cost
 
 
 def test_claude_window_limits_follow_the_pinned_arithmetic():
@@ -727,6 +743,27 @@ def test_overlapping_copies_are_counted_once_from_the_task_counter(tmp_path, mon
     assert tab.loc["codex", "server_evaluated"] == 5969 and round(tab.loc["codex", "amplification"], 3) == 1.0
     calls.loc[0, "evaluated_tokens"] = 5968              # a copy the server counted itself: the per-call sum
     assert ra.amplification(tmp_path).loc["codex", "server_evaluated"] == 5969
+
+
+def test_a_first_call_without_usage_takes_its_size_from_its_identical_copy(tmp_path, monkeypatch):
+    """Seen at the agent's small size (2026-12-06): the task's first stream was cut by the agent and
+    sent again unchanged; the first call has the server's evaluated count but no usage, and the
+    header sentence could not compare shares. The identical copy carries the same prompt."""
+    calls = pd.DataFrame({"task": ["B", "C", "C"], "api": "anthropic", "status": "ok",
+                          "first_diff": ["message 0 (user)", "system 0", "identical"],
+                          "prompt_tokens": [1023, None, 1077], "cached_tokens": [744, None, 1076],
+                          "evaluated_tokens": [279, 1074, 1], "ttft_s": [1.8, 7.0, None], "output_tokens": 3,
+                          "max_tokens": 64})
+    monkeypatch.setattr(ra, "calls_table", lambda out: calls)
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"task": k, "agent": "claude-code", "exit": 0,
+                                                              "evaluated_tokens": e, "wall_s": 1.0}) + "\n"
+                                                  for k, e in (("B", 279), ("C", 1075))))
+    tab = ra.evaluated_by_task(tmp_path)
+    assert (tab.loc["C", "prompt_tokens"], tab.loc["C", "cached_tokens"], tab.loc["C", "evaluated_tokens"]) == (1077, 3, 1074)
+    assert tab.loc["B", "prompt_tokens"] == 1023 and tab.loc["C", "calls"] == 2
+    assert "cannot compare" not in rc.header_sentence(tab, "C", "B")
+    calls.loc[2, "first_diff"] = "message 1 (user)"      # a later call with another prompt: not the same size
+    assert pd.isna(ra.evaluated_by_task(tmp_path).loc["C", "prompt_tokens"])
 
 
 def test_amplification_sizes_a_request_no_copy_answered(tmp_path, monkeypatch):

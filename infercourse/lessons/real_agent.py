@@ -178,7 +178,9 @@ def evaluated_by_task(out: str | Path) -> pd.DataFrame:
     whose answer was cut at its max_tokens sends more calls to continue it: the first call is
     the one to compare across tasks, the totals say what the task cost. `cut_by_server`: the
     task's last answer stopped at the server's own cap (`-n`, for a call that named no
-    max_tokens: Codex reports such an answer as complete)."""
+    max_tokens: Codex reports such an answer as complete). A first call without the server's
+    usage (a stream the agent cut, then sent again unchanged) takes its prompt size from that
+    identical copy, and its cached tokens are that size less what the server evaluated for it."""
     gen, tasks = _model_calls(out), tasks_table(out)
     cap = LabSpec.load(Path(out) / "spec.json").n_predict if (Path(out) / "spec.json").exists() else None
     rows = []
@@ -186,6 +188,10 @@ def evaluated_by_task(out: str | Path) -> pd.DataFrame:
         c = gen[gen["task"] == t["task"]]
         first = c.iloc[0] if len(c) else pd.Series(dtype=object)
         last = c.iloc[-1] if len(c) else pd.Series(dtype=object)
+        if pd.isna(first.get("prompt_tokens")) and len(c) > 1 and c.iloc[1]["first_diff"] == "identical":
+            size, ev = c.iloc[1]["prompt_tokens"], first.get("evaluated_tokens")   # sent again: the same prompt
+            first = first.copy()
+            first["prompt_tokens"], first["cached_tokens"] = size, size - ev if pd.notna(ev) else float("nan")
         rows.append({"task": t["task"], "agent": t["agent"], "exit": t["exit"], "agent_said": t.get("agent_said"),
                      "prompt_tokens": first.get("prompt_tokens"), "cached_tokens": first.get("cached_tokens"),
                      "evaluated_tokens": first.get("evaluated_tokens"), "ttft_s": first.get("ttft_s"),

@@ -16,8 +16,8 @@ import pandas as pd
 
 from infercourse.ops.agent_lab import refused_size, refused_window
 
-__all__ = ["ends_sentence", "ledger_sentence", "cold_warm_sentence", "header_sentence", "amplification_sentence", "plan_sentence", "compaction_sentence",
-           "rewrite_sentence", "clip_sentence", "changed_part_sentence"]
+__all__ = ["ends_sentence", "ledger_sentence", "cold_warm_sentence", "header_sentence", "amplification_sentence",
+           "plan_sentence", "compaction_sentence", "rewrite_sentence", "clip_sentence", "changed_part_sentence"]
 
 
 def _fold(ratio: float) -> str:
@@ -77,22 +77,24 @@ def cold_warm_sentence(tab: pd.DataFrame, cold: str, warm: str, again: str) -> s
             + ("beyond it." if beyond else "within it: this run cannot tell them apart."))
 
 
-def header_sentence(tab: pd.DataFrame, on: str, off: str) -> str:
-    """Re-prefill of a new task with the header on against with it off (first calls): more,
-    fewer, or as many prompt tokens evaluated with the header on."""
+def header_sentence(tab: pd.DataFrame, on: str, off: str, cold: str | None = None) -> str:
+    """A new task's re-prefill with the header on against off (first calls), as shares of each one's prompt
+    (the two may run at different sizes); where the header made a smaller request evaluate all of itself
+    again, its cost at the full size is `cold`'s first call (the full request, cold)."""
     a, b = tab.loc[on], tab.loc[off]
-
-    def of(r) -> str:
-        if pd.isna(r["prompt_tokens"]):   # a usage block without input tokens: said, not guessed
-            return f"{r['evaluated_tokens']:,.0f} prompt tokens (the server's usage gave no prompt size)"
-        return (f"{r['evaluated_tokens']:,.0f} of its {r['prompt_tokens']:,.0f} prompt tokens "
-                f"({r['evaluated_tokens'] / r['prompt_tokens']:.0%})")
-    ea, eb = a["evaluated_tokens"], b["evaluated_tokens"]
-    verdict = ("More with the header on." if ea > eb else "Fewer with the header on." if ea < eb else
-               "As many with the header on as off: here the header cost nothing.")
-    return (f"A new task with the header on evaluated {of(a)}; first difference: {a['first_diff']}. With "
-            f"CLAUDE_CODE_ATTRIBUTION_HEADER=0 a new task evaluated {of(b)}; first difference: "
-            f"{b['first_diff']}. {verdict}")
+    sa, sb = (float(r["evaluated_tokens"]) / float(r["prompt_tokens"] or "nan") for r in (a, b))
+    of = lambda r, sh: (f"{r['evaluated_tokens']:,.0f} prompt tokens (the server's usage gave no prompt size)" if pd.isna(sh)
+                        else f"{r['evaluated_tokens']:,.0f} of its {r['prompt_tokens']:,.0f} prompt tokens ({sh:.0%})")
+    verdict = ("Without both prompt sizes this run cannot compare the shares." if pd.isna(sa) or pd.isna(sb) else
+               "A larger share of its prompt with the header on." if sa > sb + 0.005 else
+               "A smaller share of its prompt with the header on." if sa < sb - 0.005 else
+               "The same share with the header on as off: here the header cost nothing.")
+    out = (f"A new task with the header on evaluated {of(a, sa)}; first difference: {a['first_diff']}. With "
+           f"CLAUDE_CODE_ATTRIBUTION_HEADER=0 a new task evaluated {of(b, sb)}; first difference: {b['first_diff']}. {verdict}")
+    if (c := tab.loc[cold] if cold is not None else None) is not None and sa >= 0.99 and float(c["prompt_tokens"]) > float(a["prompt_tokens"]):
+        out += (f" With the header on a new task evaluates its whole prompt again: at the full size ({cold}'s {c['prompt_tokens']:,.0f} "
+                f"tokens) that is {cold}'s cold prefill, {c['ttft_s']:.1f} s to the first token on this server, for every new task.")
+    return out
 
 
 _SIZE_FROM = {"server usage": "", "server refusal": " (the size the server's refusal named: no copy was answered)",

@@ -99,11 +99,13 @@ def probes() -> dict[str, float]:
 
 
 def reading(prefill: bool = False) -> dict[str, float]:
-    """The pace now, read between two notebooks of a course run: the one-thread probe with fewer
-    repeats (~3 s), and the prefill probe too for a notebook of `PREFILL_BOUND` (`prefill`)."""
-    r = {"probe_s": probe_s(repeats=2)}
+    """The pace now, read between two notebooks of a course run: the one-thread probe once after
+    its warm-up (~2 s), and the prefill probe too for a notebook of `PREFILL_BOUND` (`prefill`,
+    ~3.5 s). One timed run each: the run is scaled by the median of all its readings
+    (`run_pace`), and a second run added ~1.2 s before each notebook (~30 s a course)."""
+    r = {"probe_s": probe_s(repeats=1)}
     if prefill:
-        r["prefill_probe_s"] = prefill_probe_s(repeats=2)
+        r["prefill_probe_s"] = prefill_probe_s(repeats=1)
     return r
 
 
