@@ -188,8 +188,8 @@ def evaluated_by_task(out: str | Path) -> pd.DataFrame:
         c = gen[gen["task"] == t["task"]]
         first = c.iloc[0] if len(c) else pd.Series(dtype=object)
         last = c.iloc[-1] if len(c) else pd.Series(dtype=object)
-        if pd.isna(first.get("prompt_tokens")) and len(c) > 1 and c.iloc[1]["first_diff"] == "identical":
-            size, ev = c.iloc[1]["prompt_tokens"], first.get("evaluated_tokens")   # sent again: the same prompt
+        if pd.isna(first.get("prompt_tokens")) and len(c) > 1:   # a re-sent copy carries the same prompt
+            size, ev = _first_copies(c)["prompt_tokens"].max(), first.get("evaluated_tokens")
             first = first.copy()
             first["prompt_tokens"], first["cached_tokens"] = size, size - ev if pd.notna(ev) else float("nan")
         rows.append({"task": t["task"], "agent": t["agent"], "exit": t["exit"], "agent_said": t.get("agent_said"),
@@ -247,10 +247,8 @@ def amplification(out: str | Path) -> pd.DataFrame:
     task_evaluated = dict(zip(tasks["task"], tasks["evaluated_tokens"])) if "evaluated_tokens" in tasks else {}
     rows = []
     for task, c in gen.groupby("task", sort=False):
-        n = 1
-        while n < len(c) and c["first_diff"].iloc[n] == "identical":
-            n += 1
-        copies = c.iloc[:n]
+        copies = _first_copies(c)
+        n = len(copies)
         size, source = _copy_size(out, copies)
         # copies that overlapped have no per-call count of their own: the task's counter holds them
         # all when the task is nothing but copies; else the per-call counts (NaN where one is missing)
@@ -260,6 +258,14 @@ def amplification(out: str | Path) -> pd.DataFrame:
                      "request_tokens": size, "size_from": source, "server_evaluated": evaluated,
                      "amplification": evaluated / size if size > 0 else float("nan"), "later_calls": len(c) - n})
     return pd.DataFrame(rows).set_index("task")
+
+
+def _first_copies(calls: pd.DataFrame) -> pd.DataFrame:
+    """A task's first call and the identical re-sends right after it (one request, sent again)."""
+    n = 1
+    while n < len(calls) and calls["first_diff"].iloc[n] == "identical":
+        n += 1
+    return calls.iloc[:n]
 
 
 def _copy_size(out: str | Path, copies: pd.DataFrame) -> tuple[float, str | None]:
