@@ -585,6 +585,8 @@ def test_a_first_token_that_splits_a_character_loses_message_start(llama):
     assert final.usage.completion_tokens >= 1
     api, _ = grade_messages({"stream": {"ok": True, "event_types": said["event_types"]}, "count_tokens": {}})
     assert api.status == "fail" and "message_start" in api.summary
+    from infercourse.ops.anthropic_probe import grade_split_start, probe_split_start
+    assert grade_split_start(probe_split_start(llama.url)).status == "warn"     # the doctor's probe sees it too
 
 
 @pytest.mark.slow

@@ -327,6 +327,25 @@ def test_doctor_grades_flip_with_the_evidence():
     assert [c for c in slow if "cold first call" in c.summary][0].status == "fail"
 
 
+def test_an_answer_that_begins_inside_a_character_warns_without_message_start():
+    """Two stored CI runs of notebook 20 (2026-12-06): task C's first stream came without
+    message_start, Claude Code cut it and sent the same body with stream: false. The doctor
+    now asks for an answer that begins with an emoji and warns where message_start is missing."""
+    from infercourse.ops.anthropic_probe import grade_split_start
+    full = ["message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
+            "message_stop"]
+    lost = {"ok": True, "begins": "\U0001f31f", "event_types": full[1:]}
+    warned = [c for c in agent_doctor.grade_agent_route({**GOOD, "split_start": lost}, SHAPE)
+              if "multi-byte" in c.summary]
+    assert [(c.layer, c.status) for c in warned] == [("API", "warn")] and "without message_start" in warned[0].summary
+    assert "sends the call again unstreamed" in warned[0].summary
+    assert grade_split_start({**lost, "event_types": full}).status == "ok"
+    untried = grade_split_start({**lost, "begins": "Hello"})
+    assert untried.status == "skip" and "'Hello'" in untried.summary            # the condition was never met
+    assert grade_split_start({"ok": False, "error": "x"}) is None                 # the stream checks report that
+    assert not [c for c in agent_doctor.grade_agent_route(GOOD, SHAPE) if "multi-byte" in c.summary]
+
+
 def test_the_cold_prefill_forecast_follows_the_fitted_curve_not_one_rate():
     """Issue 32 §2: one short probe's rate forecast 34 s where 80 s were measured; the rate falls
     with length. Points from time = 0.05 + n/1000 + n²/1e7: the fit recovers the n² term."""
@@ -839,6 +858,9 @@ def test_doctor_agent_on_a_real_server(stand_in_run):
     # in the prompt (it normalises only cch=), so a new suffix busts the cache
     assert "[fail] KV cache" in text and '"CLAUDE_CODE_ATTRIBUTION_HEADER": "0"' in text
     assert "a role: system message is accepted" in text and "count_tokens answers" in text
+    # greedy SmolLM2 begins its emoji with a partial character: llama-server sends no message_start
+    assert "[warn] API      an answer that begins with a multi-byte character" in text, (
+        "llama-server now sends message_start before a split first character: see tests/test_anthropic.py")
     small = ra.doctor_on_fresh_server(256, stand_in_run)
     assert "[fail] context" in small
 

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         from infercourse.ops.pace import pace_main
         return pace_main(rest[1:])
     if cmd == "doctor" and rest[:1] == ["agent"]:
-        from infercourse.ops.agent_doctor import doctor_agent_main
+        from infercourse.ops.agent_doctor_cli import doctor_agent_main
         return doctor_agent_main(rest[1:])
     if cmd == "agent":
         from infercourse.cli.agent import agent_main

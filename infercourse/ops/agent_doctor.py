@@ -12,6 +12,7 @@ will meet, and each grade says which layer fails and what fixes it:
 | system message | a `role: "system"` message inside `messages` is accepted | API |
 | header | two calls that differ only in the billing header's suffix: cached tokens of the second | KV cache |
 | model IDs | the agent's main and small/fast model IDs each get an answer | API |
+| split start | Claude Code: a greedy streamed answer that begins inside a character still starts with `message_start` (`anthropic_probe.probe_split_start`) | API (warning) |
 | cold prefill | the first prompt on a prefill curve fitted to three cold probes (`ops.prefill_probe`), against the agent's timeout | API |
 
 The first prompt's size comes from a capture of the real agent (`--capture DIR`, a lab run's
@@ -20,7 +21,8 @@ Probing talks to the server (`probe_agent_route`); grading is pure (`grade_agent
 `fixes` turns the grades into the settings to paste, with values computed from the probe;
 `server_fix` names the server's own change where the window is too small for the agent (the
 slot window it needs, with the YaRN flags where that passes the model's trained context).
-Agents over chat completions (`--agent chat --spec NAME|FILE`) are checked by `ops.chat_doctor`.
+Agents over chat completions (`--agent chat --spec NAME|FILE`) are checked by `ops.chat_doctor`;
+the command line is `ops.agent_doctor_cli`.
 """
 from __future__ import annotations
 
@@ -34,12 +36,13 @@ import httpx
 from infercourse.core.errors import InferCourseError
 from infercourse.measure.workloads import DATA_DIR
 from infercourse.ops.agent_budget import budget_line, claude_budget, padded_window
+from infercourse.ops.anthropic_probe import grade_split_start, probe_split_start
 from infercourse.ops.anthropic_probe import post_messages as _messages
 from infercourse.ops.layers import LayerCheck
 from infercourse.ops.prefill_probe import cold_forecast, cold_text, curve_lengths, probe_curve
 
 __all__ = ["SHAPES", "agent_shape", "shape_from_capture", "probe_agent_route", "grade_agent_route", "fixes",
-           "server_fix", "window_needed", "report", "doctor_agent_main", "DEFAULT_TIMEOUT_S"]
+           "server_fix", "window_needed", "report", "DEFAULT_TIMEOUT_S"]
 
 SHAPES = DATA_DIR / "agent_shapes.json"
 # the agents' own defaults for how long they wait on a silent stream (Claude Code: API_TIMEOUT_MS,
@@ -146,6 +149,8 @@ def probe_agent_route(url: str, agent: str = "claude-code", *, models: tuple[str
         st, doc = _messages(url, {"model": mid, "max_tokens": 1, "messages": [{"role": "user", "content": "OK?"}]},
                             timeout_s)
         ev["model_status"][mid] = {"status": st, "error": (doc.get("error") or {}).get("message")}
+    if agent == "claude-code":   # its client needs message_start; Codex's Responses stream has no such event
+        ev["split_start"] = probe_split_start(url, main, timeout_s)
     if ev["n_ctx_slot"]:   # the probe must fit the window it measures
         probe_tokens = min(probe_tokens, ev["n_ctx_slot"] // 3)
     static = cold_text(probe_tokens)   # new every probe: cold
@@ -217,6 +222,9 @@ def grade_agent_route(ev: dict[str, Any], shape: dict[str, Any], *, timeout_s: f
         out.append(_check("API", "ok" if ok else "fail", f"model ID {mid!r} " + (
             "answers" if ok else f"refused (HTTP {r['status']}: {r['error']})"), model=mid, http_status=r["status"],
             error=r["error"]))
+    split = grade_split_start(ev.get("split_start") or {})
+    if split is not None:
+        out.append(split)
     limit, forecast = timeout_s or DEFAULT_TIMEOUT_S.get(ev.get("agent"), 600.0), cold_forecast(first, ev)
     if forecast:
         cold, how = forecast
@@ -290,51 +298,3 @@ def fixes(agent: str, url: str, ev: dict[str, Any], shape: dict[str, Any], check
     # AUTO_COMPACT_WINDOW under 100k as 100k); the cap comes with the compaction line (claude_budget)
     return claude_settings(claude_env(url, name, window=n_ctx, first=int(shape["prompt_tokens"]), timeout_s=timeout_s,
                                       header_off=any(c.layer == "KV cache" and c.status == "fail" for c in checks)))
-
-
-def _doctor_chat(a: Any) -> int:
-    """`--agent chat`: the checks of `ops.chat_doctor`, for the agent `--spec` names."""
-    from infercourse.ops import chat_agent, chat_doctor
-    spec = chat_agent.load_spec(a.spec)
-    shape = {**chat_doctor.chat_shape(spec["name"], a.capture), "timeout_s": spec.get("timeout_s"),
-             "timeout_note": spec.get("timeout_note")}
-    try:
-        ev = chat_doctor.probe_chat_route(a.url)
-    except httpx.HTTPError as e:
-        print(f"error: server at {a.url} not reachable: {e} (API layer)")
-        return 1
-    checks = chat_doctor.grade_chat_route(ev, shape, timeout_s=a.timeout)
-    print(f"{spec['name']} (chat completions) against {a.url} (first request: {shape['first_request']['prompt_tokens']} "
-          f"tokens, from {shape['source']})")
-    print(chat_doctor.chat_report(ev, shape, checks, spec, timeout_s=a.timeout))
-    return 1 if any(c.status == "fail" for c in checks) else 0
-
-
-def doctor_agent_main(argv: list[str] | None = None) -> int:
-    """`infercourse doctor agent URL --agent claude-code|codex|chat [--spec NAME|FILE] [--capture DIR]`."""
-    import argparse
-    from infercourse.core.loopback import refuse_remote
-    p = argparse.ArgumentParser(prog="infercourse doctor agent", description=__doc__.splitlines()[0])
-    p.add_argument("url")
-    p.add_argument("--agent", choices=("claude-code", "codex", "chat"), default="claude-code",
-                   help="chat: any agent over chat completions (ops.chat_doctor), described by --spec")
-    p.add_argument("--spec", default="qwen-code", help="--agent chat: a shipped spec's name or your spec's JSON file")
-    p.add_argument("--capture", type=Path, help="a lab run's (or recorded session's) folder: use its measured calls")
-    p.add_argument("--timeout", type=float, help="the agent's stream timeout in seconds (default: its own)")
-    p.add_argument("--allow-remote", action="store_true", help="permit a server that is not on loopback")
-    a = p.parse_args(argv)
-    why = refuse_remote(a.url, what="doctor agent", allow_remote=a.allow_remote)
-    if why:
-        p.error(why)
-    if a.agent == "chat":
-        return _doctor_chat(a)
-    shape = agent_shape(a.agent, a.capture)
-    try:
-        ev = probe_agent_route(a.url, a.agent)
-    except httpx.HTTPError as e:
-        print(f"error: server at {a.url} not reachable: {e} (API layer)")
-        return 1
-    checks = grade_agent_route(ev, shape, timeout_s=a.timeout)
-    print(f"{a.agent} against {a.url} (first request: {shape['prompt_tokens']} tokens, from {shape['source']})")
-    print(report(a.agent, a.url, ev, shape, checks))
-    return 1 if any(c.status == "fail" for c in checks) else 0

@@ -21,6 +21,13 @@ what the agent will actually do:
   its chat template decide whether tools are rendered, called and parsed. Only those
   refusals are read as such: any other error that happens to mention a tool is an API
   failure, reported as it came.
+- **an answer that begins inside a character** (`probe_split_start`, used by `doctor agent`):
+  one greedy streamed answer asked to be a single emoji. llama-server sends `message_start`
+  with its first emitted token, but holds back a token that ends inside a UTF-8 character;
+  when that is the first token, no `message_start` is ever sent. The SDK Claude Code is built
+  on fails such a stream, and the pinned Claude Code then sends the same call again with
+  `stream: false` (seen in notebook 20's captures): the answer is generated twice. A warning
+  at the **API layer**, not a failure: the agent recovers.
 
 Probing talks to the server (`probe_messages`); grading is pure (`grade_messages`), so each
 rule is tested on synthetic evidence like the rest of the doctor. `cache_buster_check` and
@@ -37,7 +44,7 @@ from infercourse.core.types import Request
 from infercourse.ops.layers import NEXT_STEP, LayerCheck, LayerReport
 
 __all__ = ["EXPECTED_EVENTS", "PROBE_TOOL", "post_messages", "probe_messages", "grade_messages", "with_anthropic",
-           "PROXY_HINT", "cache_buster_check", "tool_check"]
+           "PROXY_HINT", "cache_buster_check", "tool_check", "SPLIT_PROMPT", "probe_split_start", "grade_split_start"]
 
 EXPECTED_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
                    "message_delta", "message_stop")
@@ -106,6 +113,43 @@ def probe_messages(url: str, *, model: str | None = None, timeout_s: float = 5.0
     finally:
         engine.close()
     return ev
+
+
+SPLIT_PROMPT = "Reply with only one emoji."   # greedy SmolLM2 begins with an emoji's first byte
+
+
+def probe_split_start(url: str, model: str | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
+    """One greedy streamed answer that should begin with a multi-byte character: the event
+    types it came with and its first characters (the text is a model's emoji, not the agent's)."""
+    from infercourse.engines.anthropic_http import AnthropicHTTPEngine
+    engine = AnthropicHTTPEngine(url, model=model, timeout=timeout_s, extra_body={"temperature": 0})
+    try:
+        events = list(engine.stream(Request(messages=[{"role": "user", "content": SPLIT_PROMPT}], max_tokens=4)))
+    except InferCourseError as e:
+        return {"ok": False, "error": e.message}
+    finally:
+        engine.close()
+    return {"ok": True, "event_types": events[-1].timings.get("event_types"),
+            "begins": "".join(e.text for e in events)[:8]}
+
+
+def grade_split_start(ev: dict[str, Any]) -> LayerCheck | None:
+    """Pure: `probe_split_start`'s evidence -> the API check, or None where the stream failed
+    (the other checks report that)."""
+    if not ev.get("ok"):
+        return None
+    begins, types = ev.get("begins") or "", ev.get("event_types") or []
+    if not begins or begins[0].isascii():
+        return LayerCheck("API", "skip", f"an answer that begins inside a character was not tried: asked for "
+                          f"one emoji, the model began with {begins!r}", {"begins": begins})
+    if "message_start" in types:
+        return _c("API", "ok", f"an answer that begins with a multi-byte character ({begins[0]!r}) still streams "
+                  "message_start first", event_types=types)
+    return _c("API", "warn", f"an answer that begins with a multi-byte character ({begins[0]!r}) streams without "
+              "message_start: llama-server holds back a first token that ends inside a character and sends "
+              "message_start with the first token it emits. Claude Code's client fails such a stream and sends "
+              "the call again unstreamed (the answer generated twice); no server flag avoids it",
+              event_types=types)
 
 
 def _c(layer: str, status: str, summary: str, **evidence: Any) -> LayerCheck:
