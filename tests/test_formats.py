@@ -71,6 +71,8 @@ def test_hf_folder_holds_the_dequantized_weights_exactly(hf_dir):
         assert not np.array_equal(hf[hname].astype(np.float16).astype(np.float32), hf[hname])
     cfg = json.loads((hf_dir / "config.json").read_text())
     assert cfg["rope_theta"] == reader.fields["llama.rope.freq_base"].contents() == 100000.0
+    # the fallback where transformers writes no rope_theta reads the header alone
+    assert formats._gguf_rope_theta(embedded_gguf()) == cfg["rope_theta"]
 
 
 @pytest.mark.slow

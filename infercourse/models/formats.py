@@ -78,10 +78,10 @@ def hf_folder(source: str | Path | None = None) -> Path:
 
 
 def _gguf_rope_theta(src: Path) -> float:
-    import gguf
-    r = gguf.GGUFReader(src)
-    arch = r.fields["general.architecture"].contents()
-    return float(r.fields[f"{arch}.rope.freq_base"].contents())
+    """The GGUF's RoPE base, from its header alone (`gguf_header`: no vocabulary decoded)."""
+    from infercourse.models.gguf_header import read_header
+    meta, _ = read_header(src)
+    return float(meta[f"{meta['general.architecture']}.rope.freq_base"])
 
 
 def llama_cpp_source() -> Path:

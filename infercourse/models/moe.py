@@ -94,7 +94,8 @@ def _rewrite(src: Path, dst: Path, kv: dict[str, tuple[Any, Any]],
              tensor_plan: Callable[[Any], list[tuple[str, tuple, Any, int, Any, Callable[[], np.ndarray]]]]) -> None:
     """Copy GGUF `src` to `dst`: every key (those in `kv` replaced or added) and every tensor as
     `tensor_plan(tensor)` says: a list of (name, shape, dtype, nbytes, ggml type, make array).
-    Streamed: one output tensor in memory at a time."""
+    Streamed: one output tensor in memory at a time. gguf-py's reader, not `gguf_header`'s: every
+    field is copied, so the vocabulary must be decoded anyway."""
     import gguf
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
