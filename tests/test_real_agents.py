@@ -331,14 +331,13 @@ def test_an_answer_that_begins_inside_a_character_warns_without_message_start():
     """Two stored CI runs of notebook 20 (2026-12-06): task C's first stream came without
     message_start, Claude Code cut it and sent the same body with stream: false. The doctor
     now asks for an answer that begins with an emoji and warns where message_start is missing."""
-    from infercourse.ops.anthropic_probe import grade_split_start
-    full = ["message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
-            "message_stop"]
+    from infercourse.ops.anthropic_probe import EXPECTED_EVENTS, grade_split_start
+    full = list(EXPECTED_EVENTS)
     lost = {"ok": True, "begins": "\U0001f31f", "event_types": full[1:]}
     warned = [c for c in agent_doctor.grade_agent_route({**GOOD, "split_start": lost}, SHAPE)
               if "multi-byte" in c.summary]
     assert [(c.layer, c.status) for c in warned] == [("API", "warn")] and "without message_start" in warned[0].summary
-    assert "sends the call again unstreamed" in warned[0].summary
+    assert "sends the call again unstreamed" in warned[0].summary and warned[0].next_step is None
     assert grade_split_start({**lost, "event_types": full}).status == "ok"
     untried = grade_split_start({**lost, "begins": "Hello"})
     assert untried.status == "skip" and "'Hello'" in untried.summary            # the condition was never met

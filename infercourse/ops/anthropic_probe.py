@@ -135,7 +135,8 @@ def probe_split_start(url: str, model: str | None = None, timeout_s: float = 60.
 
 def grade_split_start(ev: dict[str, Any]) -> LayerCheck | None:
     """Pure: `probe_split_start`'s evidence -> the API check, or None where the stream failed
-    (the other checks report that)."""
+    (the other checks report that). No next step: the layer walk's API hint (the URL, the port)
+    is not what a warning here needs; the summary says what does."""
     if not ev.get("ok"):
         return None
     begins, types = ev.get("begins") or "", ev.get("event_types") or []
@@ -143,13 +144,13 @@ def grade_split_start(ev: dict[str, Any]) -> LayerCheck | None:
         return LayerCheck("API", "skip", f"an answer that begins inside a character was not tried: asked for "
                           f"one emoji, the model began with {begins!r}", {"begins": begins})
     if "message_start" in types:
-        return _c("API", "ok", f"an answer that begins with a multi-byte character ({begins[0]!r}) still streams "
-                  "message_start first", event_types=types)
-    return _c("API", "warn", f"an answer that begins with a multi-byte character ({begins[0]!r}) streams without "
-              "message_start: llama-server holds back a first token that ends inside a character and sends "
-              "message_start with the first token it emits. Claude Code's client fails such a stream and sends "
-              "the call again unstreamed (the answer generated twice); no server flag avoids it",
-              event_types=types)
+        return LayerCheck("API", "ok", f"an answer that begins with a multi-byte character ({begins[0]!r}) still "
+                          "streams message_start first", {"event_types": types})
+    return LayerCheck("API", "warn", f"an answer that begins with a multi-byte character ({begins[0]!r}) streams "
+                      "without message_start: llama-server holds back a first token that ends inside a character "
+                      "and sends message_start with the first token it emits. Claude Code's client fails such a "
+                      "stream and sends the call again unstreamed (the answer generated twice); no server flag "
+                      "avoids it", {"event_types": types})
 
 
 def _c(layer: str, status: str, summary: str, **evidence: Any) -> LayerCheck:
