@@ -205,3 +205,12 @@ def test_extension_flags_come_from_the_models_own_file():
     assert "gemma3.context_length=int:65536" in ext and ext[ext.index("--yarn-orig-ctx") + 1] == "32768"
     assert ext[ext.index("--rope-scale") + 1] == "2"
     assert extend_flags(16384, None)[ext.index("--rope-scale") + 1] == "2"   # SmolLM2: trained on 8,192
+
+
+@pytest.mark.slow
+def test_the_extension_cost_does_not_depend_on_its_threads():
+    """Notebook 20 scored the extension on one thread (18 s of its run); the NLLs are the same
+    on two, bit for bit, so the lesson takes the faster."""
+    from infercourse.lessons.context_extension import extension_cost
+    one, two = (extension_cost(32768, n_words=80, n_threads=k) for k in (1, 2))
+    assert one == two and one["tokens"] > 50 and one["trained"] == 8192

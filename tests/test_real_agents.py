@@ -352,7 +352,7 @@ def test_the_cold_prefill_forecast_follows_the_fitted_curve_not_one_rate():
     assert curve_lengths(8192) == [512, 1024, 2048] and curve_lengths(3000) == [250, 500, 1000]
     pts = [(n, 0.05 + n / 1000 + n * n / 1e7) for n in (512, 1024, 2048)]
     secs, how = cold_forecast(10_000, {"prefill_points": pts, "prefill_tok_per_s": 2048 / pts[-1][1]})
-    assert abs(secs - 20.05) < 0.1 and "extrapolated" in how and "fitted to 3 cold probes" in how
+    assert abs(secs - 20.05) < 0.1 and "extrapolated" in how and "fitted to 3 cold prefills" in how
     assert re.search(r"at the longest probe's own rate it would be 12 s", how)      # 10,000 x 2.5 s / 2,048
     near, said_near = cold_forecast(3000, {"prefill_points": pts})
     assert "longest probe's own rate" not in said_near                               # 1.5x the longest: the fit alone
@@ -363,6 +363,37 @@ def test_the_cold_prefill_forecast_follows_the_fitted_curve_not_one_rate():
                                           timeout_s=30)
     line = [c for c in slow if "cold first call" in c.summary][0]
     assert line.status == "warn" and "about 20 s of prefill" in line.summary
+
+
+def test_a_grown_step_is_priced_as_the_cold_prefill_of_its_whole_prompt():
+    """The curve's steps grow one prompt: a step the server found cached up to the step before
+    is that step's time plus the new tokens' (time = n/1000: each point equals a cold prefill)."""
+    from infercourse.ops.prefill_probe import grown_point
+    pts = [grown_point([], 512, 512, 0.512)]                              # nothing cached: as measured
+    pts.append(grown_point(pts, 1024, 516, 0.516))                        # 508 cached: the template's end re-evaluated
+    assert pts[-1][0] == 1024 and abs(pts[-1][1] - 1.024) < 1e-9
+    assert grown_point(pts, 2048, 2048, 2.048) == (2048, 2.048)           # a server that reused nothing: cold
+    assert grown_point([], 500, 490, 0.49) == (500, 0.5)                  # a few template tokens cached before the curve
+
+
+@pytest.mark.slow
+def test_the_prefill_curve_costs_one_prefill_of_its_longest_step():
+    """Three cold probes evaluated 512 + 1,024 + 2,048 tokens on each doctor's server; grown from
+    one prompt, the server evaluates about the longest, and each point still prices a cold prefill."""
+    import httpx
+
+    from infercourse.measure.server_samples import prometheus_values
+    from infercourse.ops.prefill_probe import probe_curve
+    from infercourse.servers import LlamaServer
+    key = "llamacpp:prompt_tokens_total"
+    with LlamaServer(n_parallel=1, ctx_size=2048, threads=1, jinja=True) as srv:
+        evaluated = lambda: prometheus_values(httpx.get(srv.url + "/metrics").text)[key]   # noqa: E731
+        before = evaluated()
+        pts = probe_curve(srv.url, "m", [128, 256, 512])
+        spent = evaluated() - before
+    assert [n for n, _ in pts] == sorted(n for n, _ in pts) and 500 < pts[-1][0] < 650 and len(pts) == 3
+    assert spent < 1.1 * pts[-1][0], f"the server evaluated {spent:.0f} tokens for a curve to {pts[-1][0]}"
+    assert all(b[1] > a[1] for a, b in zip(pts, pts[1:]))       # a longer prompt's cold prefill takes longer
 
 
 def test_the_doctor_prints_its_forecast_beside_the_cold_call_the_run_measured(monkeypatch):

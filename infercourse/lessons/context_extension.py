@@ -18,12 +18,15 @@ import numpy as np
 __all__ = ["extension_cost", "extension_sentence"]
 
 
-def extension_cost(ctx: int, trained: int | None = None, model: str | None = None, n_words: int = 600) -> dict[str, Any]:
+def extension_cost(ctx: int, trained: int | None = None, model: str | None = None, n_words: int = 600,
+                   n_threads: int = 2) -> dict[str, Any]:
     """What serving `ctx` tokens to a model trained on `trained` costs it, measured: the mean
     NLL (nats per token) of the course's evaluation text with and without the YaRN settings
     `EXTEND_CONTEXT` gives llama-server, the per-token difference and its 2 standard errors
     (tokens are correlated, so the SE is a floor on the real uncertainty). `trained` None: the
-    length, and the architecture whose metadata is overridden, read from the model's file."""
+    length, and the architecture whose metadata is overridden, read from the model's file.
+    `n_threads`: the two forward passes' threads (each row of a product is one thread's, so
+    the NLLs do not depend on it; only the time does)."""
     import llama_cpp
 
     from infercourse.measure.workloads import eval_text
@@ -32,11 +35,11 @@ def extension_cost(ctx: int, trained: int | None = None, model: str | None = Non
     arch, own = trained_context(None if model is None else str(model))
     trained = int(trained or own or 8192)
     text = " ".join(eval_text().split()[:n_words])
-    base_ids, base = token_nlls(model, text, n_threads=1)
+    base_ids, base = token_nlls(model, text, n_threads=n_threads)
     yarn = {"n_ctx": 1024, "rope_scaling_type": llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN,
             "rope_freq_scale": trained / ctx, "yarn_orig_ctx": trained,
             "kv_overrides": {f"{arch}.context_length": int(ctx)}}
-    ids, ext = token_nlls(model, text, n_threads=1, gguf_options=yarn)
+    ids, ext = token_nlls(model, text, n_threads=n_threads, gguf_options=yarn)
     assert ids == base_ids
     d = ext - base
     return {"window": ctx, "trained": trained, "tokens": len(d), "nll trained": float(base.mean()),

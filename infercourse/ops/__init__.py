@@ -32,7 +32,7 @@ soaking, and finding the layer at fault.
 | `recorder_cost` | what the recorder costs: TTFT and inter-token gaps through it against direct |
 | `agent_doctor` | `doctor agent --agent claude-code` (or `codex`): is this server ready for a real agent's first call |
 | `agent_doctor_cli` | the command line of `doctor agent` (the checks are `agent_doctor`'s and `chat_doctor`'s) |
-| `prefill_probe` | a cold prefill forecast for an agent's first request: three cold probes on the server, the a + b·n + c·n² fit, the extrapolation said |
+| `prefill_probe` | a cold prefill forecast for an agent's first request: one cold prompt grown in three steps on the server, the a + b·n + c·n² fit, the extrapolation said |
 | `agent_budget` | the pinned Claude Code's window arithmetic: window, answer cap and compaction line sized together, printed as arithmetic |
 | `agent_growth` | notebook 20's growing session planned: each turn's paste, the window, and a last paste that takes the session as is past it |
 | `chat_doctor` | `doctor agent --agent chat`: the same for an agent over chat completions, side calls included |

@@ -13,7 +13,7 @@ will meet, and each grade says which layer fails and what fixes it:
 | header | two calls that differ only in the billing header's suffix: cached tokens of the second | KV cache |
 | model IDs | the agent's main and small/fast model IDs each get an answer | API |
 | split start | Claude Code: a greedy streamed answer that begins inside a character still starts with `message_start` (`anthropic_probe.probe_split_start`) | API (warning) |
-| cold prefill | the first prompt on a prefill curve fitted to three cold probes (`ops.prefill_probe`), against the agent's timeout | API |
+| cold prefill | the first prompt on a prefill curve fitted to one cold prompt grown in three steps (`ops.prefill_probe`), against the agent's timeout | API |
 
 The first prompt's size comes from a capture of the real agent (`--capture DIR`, a lab run's
 folder) or from `data/agent_shapes.json` (numbers measured from the pinned versions; no text).

@@ -13,7 +13,7 @@ every task prefills the main prompt again. Each check asks the server itself:
 | side calls | main, main again (control), side, main, side, main: tokens the server evaluated per call, from its own `timings.prompt_n` (per request: right even when calls overlap, unlike `/metrics` deltas) | KV cache |
 | slot save/restore | main, save slot 0, side, restore, main (only where `--slot-save-path` is set) | KV cache |
 | prefix across tasks | the capture's first main call of each task against the one before with the same system prompt | KV cache |
-| cold prefill | the first request on a prefill curve fitted to three cold probes (`ops.prefill_probe`), against the agent's timeout | API |
+| cold prefill | the first request on a prefill curve fitted to one cold prompt grown in three steps (`ops.prefill_probe`), against the agent's timeout | API |
 
 The agent's shape (first request, its side calls, where a new task differs) comes from a
 capture (`--capture DIR`: a lab run or a recorded session, `chat_shape`) or from
