@@ -31,10 +31,11 @@ __all__ = ["cold_text", "curve_lengths", "grown_point", "probe_curve", "cold_for
 _TEXT = "The quick brown fox reads the build log, edits one file and runs the tests again. "
 
 
-def cold_text(n: int) -> str:
-    """About `n` tokens of text behind a new random head, so no server has any of it cached
-    (the doctors' probes: a cold prefill every time)."""
-    return uuid.uuid4().hex + " " + _TEXT * max(1, n // 18)
+def cold_text(n: int, head: str | None = None) -> str:
+    """About `n` tokens of text behind `head` (None: a new random one, so no server has any of
+    it cached: the doctors' probes, a cold prefill every time; one head for several lengths: each
+    text begins with the shorter ones)."""
+    return (head or uuid.uuid4().hex) + " " + _TEXT * max(1, n // 18)
 
 
 def grown_point(points: list[tuple[int, float]], prompt_tokens: int, evaluated: int,
@@ -65,11 +66,11 @@ def probe_curve(url: str, model: str, lengths: list[int], timeout_s: float = 300
     (a new random head) grown step by step, each step's prompt beginning with the step before's,
     one /v1/chat/completions call per step (`grown_point` prices the cached part, so a server
     that reuses the step before evaluates only the new tokens). Steps without timings are left out."""
-    head, points = uuid.uuid4().hex + " ", []
+    head, points = uuid.uuid4().hex, []
     for n in sorted(lengths):
         r = httpx.post(url.rstrip("/") + "/v1/chat/completions", timeout=timeout_s,
                        json={"model": model, "max_tokens": 1,
-                             "messages": [{"role": "user", "content": head + _TEXT * max(1, n // 18)}]})
+                             "messages": [{"role": "user", "content": cold_text(n, head)}]})
         doc = r.json() if r.status_code == 200 else {}
         t = doc.get("timings") or {}
         if t.get("prompt_n") and t.get("prompt_ms"):
