@@ -75,6 +75,16 @@ def test_instructor_guide_holds_the_generated_cut_table():
     assert body.split("\n<!-- /workshop-cuts -->")[0] == cm.workshop_table()
 
 
+def test_readme_run_times_are_the_reference_runs():
+    """The map's full-size run times are `data/reference_machine.json`'s, as its intro says: under 90 s
+    as "N s", else "X.Y min" (20's after its CI-size figure, 21's before its note)."""
+    ref = json.loads((ROOT / "data" / "reference_machine.json").read_text(encoding="utf-8"))["notebooks_full_s"]
+    for row in _readme_rows():
+        s = next(v for k, v in ref.items() if k.startswith(row[1]))
+        m = re.search(r"([\d.]+ min) \(full\)", row[-5]) or re.match(r"([\d.]+ (?:s|min))\b", row[-5])
+        assert m and m.group(1) == (f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min"), (row[1], row[-5], s)
+
+
 def test_no_old_notebook_name_is_left():
     old = ["06b_", "18b_", "19_capacity", "17_capstone", "15_layered", "16_symptom", "18_coding", "14_stability",
            "13_tuning", "12_fair", "11_context", "10_concurrency", "09_latency", "08_multi", "07_speculative"]
